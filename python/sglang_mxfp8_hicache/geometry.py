@@ -1,0 +1,100 @@
+"""Byte geometry of MXFP8 KV scales, shared by both transfer directions and sizing.
+
+SGLang's MXFP8 device pool (``MHATokenToKVPoolMXFP8``) keeps one UE8M0 scale
+byte per 32 fp8 elements. With page_size 128 the scales of one page and layer
+are stored in the FA4 interleaved atom ``(page, head, 32, page_size // 32,
+head_dim // 32)``, so they form one contiguous row of ``page_bytes`` bytes. The
+host mirrors exactly those rows, one per page and layer, which is why a page of
+scales is the unit every transfer moves.
+
+This module imports no CUDA code, so the CLI's ``size`` command and the CPU tests
+can use it anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+MXFP8_SCALE_BLOCK = 32
+"""fp8 elements that share one UE8M0 scale byte."""
+
+FP8_ITEMSIZE = 1
+
+
+@dataclass(frozen=True)
+class MXFP8ScaleGeometry:
+    """Scale bytes of one KV side (K or V) per page and per token, for one layer.
+
+    K and V must agree because SGLang's MHA host pool keeps one head_dim for
+    both; the asymmetric case has a host class of its own that we do not extend.
+    """
+
+    head_num: int
+    head_dim: int
+    page_size: int
+    sf_block: int = MXFP8_SCALE_BLOCK
+
+    def __post_init__(self) -> None:
+        for name in ("head_num", "head_dim", "page_size", "sf_block"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim % self.sf_block:
+            raise ValueError(
+                f"MXFP8 needs head_dim divisible by {self.sf_block}, got {self.head_dim}"
+            )
+
+    @property
+    def sf_dim(self) -> int:
+        """Scale bytes per head and token."""
+        return self.head_dim // self.sf_block
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Scale bytes of one side (K or V) per token and layer."""
+        return self.head_num * self.sf_dim
+
+    @property
+    def page_bytes(self) -> int:
+        """Scale bytes of one side per page and layer: one host row, one kernel element."""
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def payload_bytes_per_token(self) -> int:
+        """fp8 payload bytes of one side per token and layer."""
+        return self.head_num * self.head_dim * FP8_ITEMSIZE
+
+    def host_bytes(self, *, page_num: int, layer_num: int) -> int:
+        """Host bytes of the K and V scale mirrors for ``page_num`` pages."""
+        return 2 * page_num * layer_num * self.page_bytes
+
+    @classmethod
+    def from_device_scales(
+        cls,
+        k_scale: torch.Tensor,
+        v_scale: torch.Tensor,
+        *,
+        head_num: int,
+        head_dim: int,
+        page_size: int,
+    ) -> MXFP8ScaleGeometry:
+        """Geometry from the formula, cross-checked against one layer's device tensors."""
+        geometry = cls(head_num=head_num, head_dim=head_dim, page_size=page_size)
+        for side, scale in (("k", k_scale), ("v", v_scale)):
+            if scale.element_size() != 1 or not scale.is_contiguous():
+                raise ValueError(
+                    f"{side} scale buffer must be contiguous 1-byte UE8M0, got "
+                    f"dtype={scale.dtype} strides={tuple(scale.stride())}"
+                )
+            if math.prod(scale.shape[1:]) != geometry.page_bytes:
+                raise ValueError(
+                    f"{side} scale buffer shape {tuple(scale.shape)} does not hold one "
+                    f"page of {geometry.page_bytes} bytes per leading index; expected "
+                    f"the interleaved layout (pages, {head_num}, 32, "
+                    f"{page_size // 32}, {geometry.sf_dim})"
+                )
+        return geometry

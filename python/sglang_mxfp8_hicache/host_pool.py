@@ -1,0 +1,401 @@
+"""HiCache host pool for SGLang's MXFP8 KV cache: the fp8 payload plus its UE8M0 scales.
+
+Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128):
+
+    device  k_buffer[l]        (tokens, H, D)                 fp8 e4m3   SGLang's MHATokenToKVPoolMXFP8
+            k_scale_buffer[l]  (pages, H, 32, P // 32, D // 32) UE8M0    FA4 interleaved atom
+                               = one contiguous row of H * P * D // 32 bytes per page
+    host    kv_buffer          (2, tokens, L, H, D)           fp8        MHATokenToKVPoolHost, page_first
+            scale_host         (2, pages, L, page_bytes)      uint8      this class, K then V
+
+            device k_scale_buffer[l]              host k_scale_host
+            +-----------------------+             +------------------------------+
+    page 0  | row: page_bytes       |    D2H      | page 0: layer 0 | layer 1 |..|
+    page 1  | row                   |  <------>   | page 1: layer 0 | layer 1 |..|
+     ...    +-----------------------+    H2D      +------------------------------+
+
+A page of scales is one kernel element, so SGLang's own JIT kernels move the
+scales with ``page_size=1`` and page ids as indices: the staged all-layer
+write-back for D2H (the same path the payload takes) and the single-layer gather
+for H2D, K and V together in each call. The payload moves through the base class
+unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from sglang.kernels.ops.kvcache import hicache as hicache_jit
+from sglang.srt.mem_cache.device_pool_info import KVScaleLayout
+from sglang.srt.mem_cache.pool_host.base import _WRITE_BACK_STAGING_PAGE_CHUNK
+from sglang.srt.mem_cache.pool_host.common import (
+    ALLOC_MEMORY_FUNCS,
+    _cuda_host_unregister,
+    make_kernel_ptr_table,
+)
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.platforms import current_platform
+from sglang.srt.utils import is_cuda, is_hip
+
+from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_LAYOUT = "page_first"
+SUPPORTED_IO_BACKEND = "kernel"
+NO_STORAGE_ALLOCATOR = "default"
+
+
+class MXFP8HiCacheConfigError(ValueError):
+    """A configuration this pool cannot serve; the message names the flag to change."""
+
+
+def configured_io_backend() -> str | None:
+    """`--hicache-io-backend` of the running server, or None outside a server."""
+    from sglang.srt.runtime_context import get_memory
+
+    try:
+        return get_memory().hicache_io_backend
+    except (ValueError, AttributeError):
+        return None
+
+
+def _storage_unsupported(method: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"MXFP8 HiCache host pool: {method} would move the fp8 payload without its "
+        "scales, so L3 storage is not supported; run without --hicache-storage-backend."
+    )
+
+
+class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
+    """MHA host pool that mirrors MXFP8 scale pages beside the fp8 payload.
+
+    Adds the scale sidecar and nothing else: sizing counts the scale bytes, and
+    every transfer moves the scales of the same pages right after the payload,
+    on the same stream, so the controller's completion events cover both.
+    """
+
+    def __init__(
+        self,
+        buffer_info: MHABufferInfo,
+        host_to_device_ratio: float,
+        host_size: int,
+        page_size: int,
+        layout: str,
+        pin_memory: bool = True,
+        device: str = "cpu",
+        allocator_type: str = "default",
+        *,
+        device_capacity_tokens: int,
+        start_layer: int,
+        end_layer: int,
+        draft_buffer_infos: Sequence[MHABufferInfo] = (),
+        write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pool_label: str = "kv",
+        head_group_num: int = 1,
+        host_token_capacity: int | None = None,
+    ):
+        # Everything is checked before a byte is allocated; the base constructor
+        # calls get_size_per_token(), so the geometry must exist before it runs.
+        self.scale_geometry = self._check_config(
+            buffer_info,
+            page_size=page_size,
+            layout=layout,
+            allocator_type=allocator_type,
+            draft_buffer_infos=draft_buffer_infos,
+            pool_label=pool_label,
+        )
+        self.scale_host: torch.Tensor | None = None
+        try:
+            super().__init__(
+                buffer_info,
+                host_to_device_ratio,
+                host_size,
+                page_size,
+                layout,
+                pin_memory,
+                device,
+                allocator_type,
+                device_capacity_tokens=device_capacity_tokens,
+                start_layer=start_layer,
+                end_layer=end_layer,
+                draft_buffer_infos=draft_buffer_infos,
+                write_back_staging=write_back_staging,
+                pool_label=pool_label,
+                head_group_num=head_group_num,
+                host_token_capacity=host_token_capacity,
+            )
+            if not self.can_use_write_back_jit:
+                # _check_config mirrors every condition of the base class's gate.
+                raise MXFP8HiCacheConfigError(
+                    f"{pool_label}: the base host pool did not enable the staged "
+                    "write-back kernel, so host indices would reach the scale "
+                    "write-back on the GPU."
+                )
+            self._init_scale_transfer(buffer_info)
+        except BaseException:
+            self.destroy()
+            raise
+        scale_bytes = self.scale_host.numel()
+        logger.info(
+            "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
+            "(%d B per page and layer for each of K and V), moved by the JIT staged "
+            "write-back (D2H) and single-layer gather (H2D).",
+            pool_label,
+            self.size,
+            (self.size * self.size_per_token - scale_bytes) / 1e9,
+            scale_bytes / 1e9,
+            self.scale_geometry.page_bytes,
+        )
+
+    @staticmethod
+    def _check_config(
+        buffer_info: MHABufferInfo,
+        *,
+        page_size: int,
+        layout: str,
+        allocator_type: str,
+        draft_buffer_infos: Sequence[MHABufferInfo],
+        pool_label: str,
+    ) -> MXFP8ScaleGeometry:
+        def refuse(reason: str) -> MXFP8HiCacheConfigError:
+            return MXFP8HiCacheConfigError(f"{pool_label}: MXFP8 HiCache: {reason}")
+
+        scales = buffer_info.scales
+        if scales is None:
+            raise refuse(
+                "the device pool has no scale buffers; this host pool serves "
+                "--kv-cache-dtype mxfp8 only."
+            )
+        if scales.layout != KVScaleLayout.MXFP8_INTERLEAVED:
+            raise refuse(
+                f"device scales use the {scales.layout.value!r} layout (page_size "
+                f"{buffer_info.page_size}); HiCache needs the page-interleaved "
+                "layout, set --page-size 128."
+            )
+        if page_size != buffer_info.page_size:
+            raise refuse(
+                f"host page_size {page_size} != device page_size "
+                f"{buffer_info.page_size}; a host page must hold exactly one device "
+                "page of scales. Leave --page-size at 128 for both."
+            )
+        if buffer_info.head_dim != buffer_info.v_head_dim:
+            raise refuse(
+                f"K head_dim {buffer_info.head_dim} != V head_dim "
+                f"{buffer_info.v_head_dim}; no MXFP8 host pool exists for asymmetric "
+                "heads, run without --enable-hierarchical-cache."
+            )
+        if layout != SUPPORTED_LAYOUT:
+            raise refuse(
+                f"host layout {layout!r} is not supported; use --hicache-mem-layout "
+                f"{SUPPORTED_LAYOUT} with --hicache-io-backend {SUPPORTED_IO_BACKEND} "
+                "(--hicache-io-backend direct turns the layout into page_first_direct)."
+            )
+        io_backend = configured_io_backend()
+        if io_backend not in (None, SUPPORTED_IO_BACKEND):
+            raise refuse(
+                f"io backend {io_backend!r} is not supported; use "
+                f"--hicache-io-backend {SUPPORTED_IO_BACKEND}."
+            )
+        if draft_buffer_infos:
+            raise refuse(
+                f"{len(draft_buffer_infos)} packed draft layer(s) (MTP/NextN "
+                "speculative decoding) are not supported yet; drop "
+                "--speculative-algorithm or --enable-hierarchical-cache."
+            )
+        if allocator_type != NO_STORAGE_ALLOCATOR:
+            raise refuse(
+                f"L3 storage (allocator {allocator_type!r}) would persist pages "
+                "without their scales; run without --hicache-storage-backend."
+            )
+        if not current_platform.capabilities.hicache_device_kernels:
+            raise refuse(
+                "the JIT HiCache kernels need a CUDA or ROCm GPU; this platform has "
+                "none, run without --enable-hierarchical-cache."
+            )
+        device_rows = (*buffer_info.buffers.k, *buffer_info.buffers.v)
+        if not all(buf.is_contiguous() for buf in device_rows):
+            raise refuse(
+                "device KV rows are strided (a unified KV pool); the staged "
+                "write-back needs packed rows."
+            )
+        payload_row_bytes = (
+            buffer_info.head_num * buffer_info.head_dim * buffer_info.dtype.itemsize
+        )
+        if not hicache_jit.can_use_write_back_jit_kernel(element_size=payload_row_bytes):
+            raise refuse(
+                f"the staged write-back kernel rejects fp8 rows of {payload_row_bytes} "
+                "B (needs a multiple of 16 B per token: more KV heads per rank, i.e. "
+                "a smaller --tp-size)."
+            )
+        geometry = MXFP8ScaleGeometry.from_device_scales(
+            scales.k[0],
+            scales.v[0],
+            head_num=buffer_info.head_num,
+            head_dim=buffer_info.head_dim,
+            page_size=buffer_info.page_size,
+        )
+        if not (
+            hicache_jit.can_use_write_back_jit_kernel(element_size=geometry.page_bytes)
+            and hicache_jit.can_use_hicache_jit_kernel(
+                element_size=geometry.page_bytes, page_size=1
+            )
+        ):
+            raise refuse(
+                f"the JIT HiCache kernels cannot move scale pages of "
+                f"{geometry.page_bytes} B (see the warning above); run without "
+                "--enable-hierarchical-cache."
+            )
+        return geometry
+
+    def get_size_per_token(self) -> int:
+        return (
+            super().get_size_per_token()
+            + 2 * self.scale_geometry.bytes_per_token * self.layer_num
+        )
+
+    def init_kv_buffer(self) -> torch.Tensor:
+        # Scales first: if the payload allocation then fails, destroy() still
+        # finds the scale mirror and releases it.
+        page_row_bytes = self.layer_num * self.scale_geometry.page_bytes
+        self.scale_host = ALLOC_MEMORY_FUNCS[self._transfer_device.type](
+            (2, self.page_num, self.layer_num, self.scale_geometry.page_bytes),
+            dtype=torch.uint8,
+            device=self.device,
+            pin_memory=self.pin_memory,
+            allocator=self.allocator,
+            registration_granularity_bytes=page_row_bytes,
+        )
+        return super().init_kv_buffer()
+
+    def _init_scale_transfer(self, buffer_info: MHABufferInfo) -> None:
+        """Precompute every view and pointer table the transfers use."""
+        page_bytes = self.scale_geometry.page_bytes
+        device = self._transfer_device
+        self.k_scale_host, self.v_scale_host = self.scale_host
+        self.k_scale_host_layers = tuple(
+            self.k_scale_host[:, layer] for layer in range(self.layer_num)
+        )
+        self.v_scale_host_layers = tuple(
+            self.v_scale_host[:, layer] for layer in range(self.layer_num)
+        )
+
+        def device_rows(scales: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            return tuple(s.view(torch.uint8).view(-1, page_bytes) for s in scales)
+
+        self.device_k_scale_rows = device_rows(buffer_info.scales.k)
+        self.device_v_scale_rows = device_rows(buffer_info.scales.v)
+        self.device_k_scale_ptrs = make_kernel_ptr_table(
+            list(self.device_k_scale_rows), device, host_memory_registered=False
+        )
+        self.device_v_scale_ptrs = make_kernel_ptr_table(
+            list(self.device_v_scale_rows), device, host_memory_registered=False
+        )
+        staging_pages = min(self.page_num, _WRITE_BACK_STAGING_PAGE_CHUNK)
+        self.k_scale_staging, self.v_scale_staging = torch.empty(
+            (2, staging_pages, self.layer_num, page_bytes),
+            dtype=torch.uint8,
+            device=device,
+        )
+
+    def _page_ids(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token indices of whole pages -> page ids, on whatever device they came."""
+        page_size = self.page_size
+        return (
+            host_indices[::page_size] // page_size,
+            device_indices[::page_size] // page_size,
+        )
+
+    @staticmethod
+    def _require_kernel_io(io_backend: str) -> None:
+        if io_backend != SUPPORTED_IO_BACKEND:
+            raise MXFP8HiCacheConfigError(
+                f"MXFP8 HiCache moves scales with the JIT kernels only, got "
+                f"io_backend={io_backend!r}; use --hicache-io-backend "
+                f"{SUPPORTED_IO_BACKEND}."
+            )
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ) -> None:
+        self._require_kernel_io(io_backend)
+        super().backup_from_device_all_layer(
+            device_pool, host_indices, device_indices, io_backend
+        )
+        # Host indices stay on the CPU for the staged kernel (can_use_write_back_jit),
+        # so the host page ids are CPU int64, as its copy loop requires.
+        host_pages, device_pages = self._page_ids(host_indices, device_indices)
+        hicache_jit.transfer_hicache_all_layer_staged_lf_pf(
+            k_ptr_src=self.device_k_scale_ptrs,
+            v_ptr_src=self.device_v_scale_ptrs,
+            src_indices=device_pages,
+            dst_indices=host_pages,
+            staging_k=self.k_scale_staging,
+            staging_v=self.v_scale_staging,
+            dst_k=self.k_scale_host,
+            dst_v=self.v_scale_host,
+            page_size=1,
+        )
+
+    def load_to_device_per_layer(
+        self,
+        device_pool,
+        host_indices,
+        device_indices,
+        layer_id,
+        io_backend,
+        *,
+        is_draft: bool = False,
+    ) -> None:
+        self._require_kernel_io(io_backend)
+        super().load_to_device_per_layer(
+            device_pool,
+            host_indices,
+            device_indices,
+            layer_id,
+            io_backend,
+            is_draft=is_draft,
+        )
+        if not 0 <= layer_id < self.target_layer_num:
+            return
+        host_pages, device_pages = self._page_ids(host_indices, device_indices)
+        hicache_jit.transfer_hicache_one_layer(
+            k_cache_dst=self.device_k_scale_rows[layer_id],
+            v_cache_dst=self.device_v_scale_rows[layer_id],
+            indices_dst=device_pages,
+            k_cache_src=self.k_scale_host_layers[layer_id],
+            v_cache_src=self.v_scale_host_layers[layer_id],
+            indices_src=host_pages,
+            element_dim=self.scale_geometry.page_bytes,
+            page_size=1,
+        )
+
+    def destroy(self) -> None:
+        if not getattr(self, "_destroyed", False) and self.scale_host is not None:
+            # Same rule as HostKVCache.destroy(): only CUDA/ROCm registered it.
+            if self.pin_memory and (is_cuda() or is_hip()):
+                _cuda_host_unregister(self.scale_host)
+        self.scale_host = None
+        super().destroy()
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        raise _storage_unsupported("get_data_page")
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        raise _storage_unsupported("get_dummy_flat_data_page")
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        raise _storage_unsupported("set_from_flat_data_page")
+
+    def get_page_buffer_meta(self, indices):
+        raise _storage_unsupported("get_page_buffer_meta")
+
+    def get_split_heads_page_buffer_meta(self, indices, split_factor):
+        raise _storage_unsupported("get_split_heads_page_buffer_meta")

@@ -1,0 +1,114 @@
+"""SGLang plugin: route MXFP8 device pools to our HiCache host pool.
+
+SGLang calls ``load_plugins()`` at the start of every process it spawns
+(scheduler, engine, launcher); that loads the ``sglang.srt.plugins`` entry point
+``mxfp8_hicache`` -> :func:`register`, which hooks
+``sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls``. The hook answers
+``MHATokenToKVPoolMXFP8Host`` (ours) for an MXFP8 device pool, in place of the
+class SGLang would pick itself, and SGLang's own answer for everything else.
+
+Environment:
+    SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
+
+The hook is AROUND, so it receives the original function as an argument: the
+registry rebinds every module-level alias of the original (ours included), and a
+hook that called such an alias would call itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "SGLANG_MXFP8_HICACHE_DISABLE"
+HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
+SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+
+_registered = False
+_logged_choices: set[tuple[str, str]] = set()
+
+
+def is_disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_registered() -> bool:
+    return _registered
+
+
+def sglang_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def is_mxfp8_buffer_info(buffer_info: MHABufferInfo) -> bool:
+    """An fp8 payload with UE8M0 scales of one byte per 32 elements, in any layout.
+
+    The per-token ('token') layout is claimed too, so that a pool SGLang cannot
+    serve gets our error naming ``--page-size 128`` rather than a generic one.
+    """
+    import torch
+
+    scales = buffer_info.scales
+    if scales is None or not scales.k:
+        return False
+    return (
+        buffer_info.dtype == torch.float8_e4m3fn
+        and scales.k[0].dtype == torch.float8_e8m0fnu
+        and scales.k[0].shape[-1] == buffer_info.head_dim // 32
+    )
+
+
+def select_host_pool_cls(
+    original: Callable[[MHABufferInfo], type], buffer_info: MHABufferInfo
+) -> type:
+    """AROUND hook on ``get_mha_host_pool_cls``."""
+    if is_mxfp8_buffer_info(buffer_info):
+        from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+
+        chosen = MHATokenToKVPoolMXFP8Host
+        reason = "MXFP8 device pool, scales mirrored by sglang-mxfp8-hicache"
+    else:
+        chosen = original(buffer_info)
+        reason = "not an MXFP8 device pool, SGLang's own choice"
+    key = (chosen.__module__, chosen.__qualname__)
+    if key not in _logged_choices:
+        _logged_choices.add(key)
+        logger.info("HiCache host pool: %s.%s (%s).", *key, reason)
+    return chosen
+
+
+def register() -> None:
+    """Entry point of group ``sglang.srt.plugins``; idempotent."""
+    global _registered
+    if _registered:
+        return
+    if is_disabled():
+        logger.info(
+            "sglang-mxfp8-hicache disabled by %s; SGLang picks its own host pool.",
+            DISABLE_ENV,
+        )
+        return
+    found = sglang_version()
+    if found not in SUPPORTED_SGLANG_VERSIONS:
+        logger.warning(
+            "sglang-mxfp8-hicache supports sglang %s, found %s; not installing the "
+            "MXFP8 host pool hook.",
+            " / ".join(SUPPORTED_SGLANG_VERSIONS),
+            found,
+        )
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(HOOK_TARGET, select_host_pool_cls, HookType.AROUND)
+    _registered = True

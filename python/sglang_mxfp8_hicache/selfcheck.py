@@ -1,0 +1,208 @@
+"""A byte-exact L2 round trip on SGLang's real MXFP8 device pool, for `check` and the tests.
+
+Random bytes (0xFF included) in every device and host byte, permuted page ids,
+then: back pages up to the host, overwrite the whole device, load them into
+other device pages layer by layer, and compare payload and scales with what was
+saved, and every page outside the transfer with what it held before.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+PAGE_SIZE = 128
+IO_BACKEND = "kernel"
+
+
+@dataclass(frozen=True)
+class RoundTripResult:
+    pages: int
+    payload_restored: bool
+    scales_restored: bool
+    host_untouched: bool
+    device_untouched: bool
+    bytes_per_direction: int
+    backup_seconds: float
+    load_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.payload_restored
+            and self.scales_restored
+            and self.host_untouched
+            and self.device_untouched
+        )
+
+
+def build_device_pool(
+    *, head_num: int, head_dim: int, layer_num: int, pages: int, device: str
+) -> MHATokenToKVPoolMXFP8:
+    """SGLang's own MXFP8 device pool; page 0 is its padding page."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+
+    return MHATokenToKVPoolMXFP8(
+        size=pages * PAGE_SIZE,
+        page_size=PAGE_SIZE,
+        dtype=torch.float8_e4m3fn,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
+    )
+
+
+def build_host_pool(
+    device_pool: MHATokenToKVPoolMXFP8,
+    host_cls: type[MHATokenToKVPoolHost],
+    *,
+    host_to_device_ratio: float,
+    pin_memory: bool,
+) -> MHATokenToKVPoolHost:
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    return host_cls(
+        info,
+        host_to_device_ratio,
+        0,
+        PAGE_SIZE,
+        "page_first",
+        pin_memory=pin_memory,
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+    )
+
+
+def _device_tensors(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
+    return [*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer]
+
+
+def _fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
+    for tensor in tensors:
+        raw = tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+
+
+def _device_pages(
+    pool: MHATokenToKVPoolMXFP8, tensors: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each tensor as [page, bytes] rows on the CPU (the pool holds size + 1 pages)."""
+    page_num = pool.size // PAGE_SIZE + 1
+    return [t.view(torch.uint8).reshape(page_num, -1).cpu() for t in tensors]
+
+
+def page_token_indices(pages: torch.Tensor) -> torch.Tensor:
+    offsets = torch.arange(PAGE_SIZE, dtype=torch.int64, device=pages.device)
+    return (pages[:, None] * PAGE_SIZE + offsets).reshape(-1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def round_trip(
+    device_pool: MHATokenToKVPoolMXFP8,
+    host_pool: MHATokenToKVPoolHost,
+    *,
+    pages: int,
+    seed: int = 0,
+) -> RoundTripResult:
+    """Back up ``pages`` random device pages, clobber the device, load them elsewhere."""
+    device = torch.device(device_pool.device)
+    cpu = torch.Generator().manual_seed(seed)
+    device_page_num = device_pool.size // PAGE_SIZE  # page 0 is padding
+    host_page_num = host_pool.page_num
+    if pages > min(device_page_num // 2, host_page_num):
+        raise ValueError(
+            f"{pages} pages do not fit {device_page_num // 2} device / {host_page_num} host pages"
+        )
+    device_tensors = _device_tensors(device_pool)
+    host_tensors = [host_pool.kv_buffer]
+    scale_host = getattr(host_pool, "scale_host", None)
+    if scale_host is not None:
+        host_tensors.append(scale_host)
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    _fill_random(device_tensors, gen)
+    _fill_random(host_tensors, torch.Generator().manual_seed(seed + 1))
+
+    perm = torch.randperm(device_page_num, generator=cpu) + 1
+    src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
+    host_pages = torch.randperm(host_page_num, generator=cpu)[:pages]
+    src_tokens = page_token_indices(src_pages).to(device)
+    dst_tokens = page_token_indices(dst_pages).to(device)
+    host_tokens = page_token_indices(host_pages)
+
+    saved = _device_pages(device_pool, device_tensors)
+    host_before = [t.clone() for t in host_tensors]
+
+    _sync(device)
+    start = time.perf_counter()
+    host_pool.backup_from_device_all_layer(device_pool, host_tokens, src_tokens, IO_BACKEND)
+    _sync(device)
+    backup_seconds = time.perf_counter() - start
+
+    host_untouched = _host_untouched(host_pool, host_tensors, host_before, host_pages)
+
+    _fill_random(device_tensors, gen)
+    clobbered = _device_pages(device_pool, device_tensors)
+    host_tokens_dev = host_tokens.to(device)
+    _sync(device)
+    start = time.perf_counter()
+    for layer_id in range(device_pool.layer_num):
+        host_pool.load_to_device_per_layer(
+            device_pool, host_tokens_dev, dst_tokens, layer_id, IO_BACKEND
+        )
+    _sync(device)
+    load_seconds = time.perf_counter() - start
+
+    restored = _device_pages(device_pool, device_tensors)
+    payload_n = 2 * device_pool.layer_num
+    untouched = torch.ones(device_page_num + 1, dtype=torch.bool)
+    untouched[dst_pages] = False
+    restored_ok = [
+        torch.equal(now[dst_pages], before[src_pages]) for now, before in zip(restored, saved)
+    ]
+    device_untouched = all(
+        torch.equal(now[untouched], before[untouched]) for now, before in zip(restored, clobbered)
+    )
+    moved = sum(t[0].numel() for t in saved) * pages  # bytes per page, all tensors
+    return RoundTripResult(
+        pages=pages,
+        payload_restored=all(restored_ok[:payload_n]),
+        scales_restored=all(restored_ok[payload_n:]),
+        host_untouched=host_untouched,
+        device_untouched=device_untouched,
+        bytes_per_direction=moved,
+        backup_seconds=backup_seconds,
+        load_seconds=load_seconds,
+    )
+
+
+def _host_untouched(
+    host_pool: MHATokenToKVPoolHost,
+    host_tensors: list[torch.Tensor],
+    before: list[torch.Tensor],
+    host_pages: torch.Tensor,
+) -> bool:
+    """Host pages outside the backup still hold their random bytes."""
+    untouched = torch.ones(host_pool.page_num, dtype=torch.bool)
+    untouched[host_pages] = False
+    for now, was in zip(host_tensors, before):
+        # kv_buffer is (2, tokens, ...) and scale_host is (2, pages, ...): both
+        # become (2, pages, bytes) rows.
+        now_rows = now.view(torch.uint8).reshape(2, host_pool.page_num, -1)
+        was_rows = was.view(torch.uint8).reshape(2, host_pool.page_num, -1)
+        if not torch.equal(now_rows[:, untouched], was_rows[:, untouched]):
+            return False
+    return True

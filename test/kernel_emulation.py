@@ -1,0 +1,136 @@
+"""CPU stand-ins for SGLang's JIT HiCache transfer kernels, emulating their contracts.
+
+Only for machines without CUDA. Each function takes the same arguments as its
+counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
+
+- ``transfer_hicache_all_layer_staged_lf_pf``: chunks of at most
+  ``staging.shape[0] // page_size`` pages; a relayout gathers, for every page and
+  layer, ``page_size`` rows starting at token ``src_indices[::page_size][p]`` of the
+  layer that the uint64 pointer table names, into staging ``[tokens, layers,
+  elem]``; then each staged page is copied whole to the host tensor at row
+  ``dst_indices[p * page_size]`` (only the first index of each page is read).
+  ``dst_indices`` must be CPU int64 and the element size a multiple of 16 B
+  (``staged_write_back.cuh``).
+- ``transfer_hicache_one_layer``: all four caches are viewed as
+  ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
+  ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
+
+Pointer tables are resolved against the tensors registered with
+:class:`PointerMap`, so a wrong pointer fails loudly instead of reading garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.kernels.ops.kvcache import hicache as hicache_jit
+
+
+class PointerMap:
+    """Resolves the uint64 addresses of a kernel pointer table to registered tensors."""
+
+    def __init__(self) -> None:
+        self._by_address: dict[int, torch.Tensor] = {}
+
+    def register(self, tensors) -> None:
+        for tensor in tensors:
+            self._by_address[tensor.data_ptr()] = tensor
+
+    def rows(self, address: int, element_size: int) -> torch.Tensor:
+        tensor = self._by_address[address]
+        assert tensor.is_contiguous(), "device rows must be packed"
+        return tensor.view(torch.uint8).reshape(-1, element_size)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8)
+
+
+class EmulatedKernels:
+    """The four hicache.py entry points our path and the base class use, on CPU."""
+
+    def __init__(self, pointers: PointerMap) -> None:
+        self.pointers = pointers
+        self.calls: list[tuple[str, int]] = []
+
+    @staticmethod
+    def can_use_hicache_jit_kernel(
+        *, element_size, unroll=None, block_quota=None, page_size=None
+    ) -> bool:
+        # The register kernel's rule; TMA is off unless SGLANG_HICACHE_TMA_TRANSFER.
+        unroll = unroll or hicache_jit._default_unroll(element_size)
+        return hicache_jit._tiles_across_lanes(element_size, unroll)
+
+    @staticmethod
+    def can_use_write_back_jit_kernel(
+        *, element_size, unroll=None, block_quota=None
+    ) -> bool:
+        return element_size % 16 == 0
+
+    def transfer_hicache_all_layer_staged_lf_pf(
+        self,
+        k_ptr_src,
+        v_ptr_src,
+        src_indices,
+        dst_indices,
+        staging_k,
+        staging_v,
+        dst_k,
+        dst_v,
+        *,
+        page_size,
+        element_size=None,
+        unroll=None,
+        block_quota=None,
+    ) -> None:
+        element_size = element_size or staging_k[0, 0].numel() * staging_k.element_size()
+        self.calls.append(("staged_write_back", element_size))
+        assert element_size % 16 == 0, "element size must be 16-byte aligned"
+        assert dst_indices.device.type == "cpu" and dst_indices.dtype == torch.int64
+        assert src_indices.dtype in (torch.int32, torch.int64)
+        layer_num = staging_k.shape[1]
+        assert k_ptr_src.dtype == torch.uint64 and k_ptr_src.numel() == layer_num
+        src_pages = src_indices[::page_size].tolist()
+        capacity = staging_k.shape[0] // page_size
+        for begin in range(0, len(src_pages), capacity):
+            chunk = src_pages[begin : begin + capacity]
+            tokens = len(chunk) * page_size
+            chunk_dst = dst_indices[begin * page_size : begin * page_size + tokens]
+            assert chunk_dst.numel() == tokens, "staging token count mismatch"
+            for ptrs, staging, dst in ((k_ptr_src, staging_k, dst_k), (v_ptr_src, staging_v, dst_v)):
+                staged = _bytes(staging[:tokens]).view(tokens, layer_num, element_size)
+                for layer, address in enumerate(ptrs.tolist()):
+                    rows = self.pointers.rows(address, element_size)
+                    for p, first in enumerate(chunk):
+                        staged[p * page_size : (p + 1) * page_size, layer] = rows[
+                            first : first + page_size
+                        ]
+                host = _bytes(dst).view(dst.shape[0], layer_num, element_size)
+                for p in range(len(chunk)):
+                    first = int(chunk_dst[p * page_size])
+                    host[first : first + page_size] = staged[
+                        p * page_size : (p + 1) * page_size
+                    ]
+
+    def transfer_hicache_one_layer(
+        self,
+        k_cache_dst,
+        v_cache_dst,
+        indices_dst,
+        k_cache_src,
+        v_cache_src,
+        indices_src,
+        *,
+        element_dim=None,
+        unroll=None,
+        block_quota=None,
+        page_size=None,
+    ) -> None:
+        element_dim = element_dim or k_cache_dst.size(-1)
+        self.calls.append(("one_layer", element_dim * k_cache_dst.element_size()))
+        assert indices_dst.dtype in (torch.int32, torch.int64)
+        assert indices_src.dtype in (torch.int32, torch.int64)
+        assert indices_dst.numel() == indices_src.numel()
+        for src, dst in ((k_cache_src, k_cache_dst), (v_cache_src, v_cache_dst)):
+            src_rows = _bytes(src.view(-1, element_dim))
+            dst_rows = _bytes(dst.view(-1, element_dim))
+            dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
