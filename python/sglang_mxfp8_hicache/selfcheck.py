@@ -97,7 +97,7 @@ def _device_pages(
 ) -> list[torch.Tensor]:
     """Each tensor as [page, bytes] rows on the CPU (the pool holds size + 1 pages)."""
     page_num = pool.size // PAGE_SIZE + 1
-    return [t.view(torch.uint8).reshape(page_num, -1).cpu() for t in tensors]
+    return [t.view(torch.uint8).reshape(page_num, -1).to("cpu", copy=True) for t in tensors]
 
 
 def page_token_indices(pages: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,67 @@
+import pytest
+
+from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
+from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, page_bytes",
+    [(1, 128, 512), (8, 128, 4096), (32, 128, 16384), (8, 256, 8192), (2, 64, 512)],
+)
+def test_scale_page_bytes(heads, head_dim, page_bytes):
+    geometry = MXFP8ScaleGeometry(head_num=heads, head_dim=head_dim, page_size=128)
+    assert geometry.page_bytes == page_bytes
+    assert geometry.bytes_per_token * 128 == page_bytes
+    # One scale byte per 32 payload bytes.
+    assert geometry.payload_bytes_per_token == 32 * geometry.bytes_per_token
+    assert geometry.host_bytes(page_num=10, layer_num=3) == 2 * 10 * 3 * page_bytes
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(head_num=0, head_dim=128, page_size=128), "head_num must be positive"),
+        (dict(head_num=8, head_dim=100, page_size=128), "divisible by 32"),
+        (dict(head_num=8, head_dim=128, page_size=-1), "page_size must be positive"),
+    ],
+)
+def test_geometry_refuses(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MXFP8ScaleGeometry(**kwargs)
+
+
+# Hand-computed: payload 2 * heads * head_dim * layers, scales 2 * heads * head_dim / 32 * layers.
+MODELS = {
+    "llama-3.1-8b": (ModelGeometry(layers=32, kv_heads=8, head_dim=128), 1, 65536, 2048),
+    "qwen3-32b": (ModelGeometry(layers=64, kv_heads=8, head_dim=128), 1, 131072, 4096),
+    # 8 KV heads over TP 8: one head per rank.
+    "llama-3.1-70b-tp8": (ModelGeometry(layers=80, kv_heads=8, head_dim=128), 8, 20480, 640),
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_bytes_per_token(name):
+    model, tp, payload, scales = MODELS[name]
+    plan = host_plan(model, tp_size=tp, device_tokens=100_000, hicache_ratio=2.0)
+    assert plan.payload_bytes_per_token == payload
+    assert plan.scale_bytes_per_token == scales
+    assert plan.bytes_per_token == payload + scales
+
+
+def test_host_tokens_from_size_and_ratio():
+    model = MODELS["llama-3.1-8b"][0]
+    # --hicache-size 0.5: int(0.5e9 // 67584) = 7398 tokens -> 57 pages + 1 padding.
+    plan = host_plan(model, tp_size=1, device_tokens=100_000, hicache_size_gb=0.5)
+    assert plan.host_tokens == 58 * 128
+    assert plan.host_bytes == 58 * 128 * 67584
+    # Payload-only sizing would have given int(0.5e9 // 65536) = 7629 -> 59 + 1 pages.
+    assert plan.host_tokens_without_scales == 60 * 128
+    # --hicache-ratio 2 over 1000 device tokens: 2000 -> 15 pages + 1 padding.
+    plan = host_plan(model, tp_size=1, device_tokens=1000, hicache_ratio=2.0)
+    assert plan.host_tokens == 16 * 128
+    assert plan.host_bytes == 16 * 128 * 67584
+
+
+def test_tp_must_divide_or_replicate_heads():
+    with pytest.raises(ValueError, match="tp_size"):
+        host_plan(ModelGeometry(layers=2, kv_heads=8, head_dim=128), tp_size=3, device_tokens=1, hicache_ratio=1.0)
