@@ -1,0 +1,98 @@
+"""Dispatch through SGLang's real plugin loading, in fresh processes.
+
+The probe module builds real device pools and asks both names of
+``get_mha_host_pool_cls`` after ``sglang.srt.plugins.load_plugins()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from sglang_mxfp8_hicache import plugin
+
+OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+SGLANG_MXFP8 = "sglang.srt.mem_cache.pool_host.mha_mxfp8.MHATokenToKVPoolMXFP8Host"
+SGLANG_PLAIN = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
+
+
+
+def run_dispatch(order: str, **env: str) -> tuple[dict[str, str], str]:
+    environ = {**os.environ, **env}
+    environ.pop("SGLANG_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "sglang_mxfp8_hicache.probe"]
+        + (["--assembler-first"] if order == "assembler_first" else []),
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_entry_point_is_installed():
+    eps = entry_points(group="sglang.srt.plugins")
+    assert "sglang_mxfp8_hicache.plugin:register" in {ep.value for ep in eps}
+
+
+@pytest.mark.parametrize("order", ["plugins_first", "assembler_first"])
+def test_plugin_dispatch_in_fresh_process(order):
+    chosen, log = run_dispatch(order)
+    for where in ("mha", "assembler"):
+        assert chosen[f"mxfp8/{where}"] == OURS
+        # Per-token scales: ours too, so the refusal names --page-size 128.
+        assert chosen[f"mxfp8_page64/{where}"] == OURS
+        assert chosen[f"bf16/{where}"] == SGLANG_PLAIN
+        assert chosen[f"fp8/{where}"] == SGLANG_PLAIN
+    # One line per chosen class per process, not one per call.
+    assert log.count(f"HiCache host pool: {OURS}") == 1
+    assert log.count(f"HiCache host pool: {SGLANG_PLAIN}") == 1
+
+
+def test_plugin_disabled_by_environment():
+    chosen, log = run_dispatch("plugins_first", **{plugin.DISABLE_ENV: "1"})
+    assert chosen["mxfp8/mha"] == SGLANG_MXFP8
+    assert chosen["mxfp8/assembler"] == SGLANG_MXFP8
+    assert chosen["bf16/mha"] == SGLANG_PLAIN
+    assert f"disabled by {plugin.DISABLE_ENV}" in log
+
+
+@pytest.fixture
+def recorded_hooks(monkeypatch):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    calls = []
+    monkeypatch.setattr(HookRegistry, "register", lambda *a, **kw: calls.append(a))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
+    return calls
+
+
+def test_register_is_idempotent(recorded_hooks):
+    plugin.register()
+    plugin.register()
+    assert len(recorded_hooks) == 1
+    assert recorded_hooks[0][0] == plugin.HOOK_TARGET
+    assert plugin.is_registered()
+
+
+def test_register_skips_unsupported_sglang(recorded_hooks, monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.20")
+    plugin.register()
+    assert recorded_hooks == []
+    assert not plugin.is_registered()
+    assert "found 0.5.20" in caplog.text
+
+
+def test_hook_passes_other_pools_to_original():
+    sentinel = type("Sentinel", (), {})
+    no_scales = type("Info", (), {"scales": None})()
+    assert plugin.select_host_pool_cls(lambda info: sentinel, no_scales) is sentinel
