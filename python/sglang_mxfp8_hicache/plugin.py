@@ -43,12 +43,12 @@ def is_registered() -> bool:
 
 
 def sglang_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
+    """The version of the sglang that imports, which need not be pip-installed."""
     try:
-        return version("sglang")
-    except PackageNotFoundError:
+        from sglang.version import __version__
+    except ImportError:
         return None
+    return __version__
 
 
 def is_mxfp8_buffer_info(buffer_info: MHABufferInfo) -> bool:

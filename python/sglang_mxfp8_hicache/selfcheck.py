@@ -89,7 +89,11 @@ def _device_tensors(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
 def _fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
     for tensor in tensors:
         raw = tensor.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+        raw.copy_(
+            torch.randint(
+                0, 256, raw.shape, dtype=torch.uint8, generator=generator, device=generator.device
+            )
+        )
 
 
 def _device_pages(
