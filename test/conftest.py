@@ -44,15 +44,23 @@ def cpu_kernels(monkeypatch) -> EmulatedKernels:
         "transfer_hicache_all_layer_staged_lf_pf",
     ):
         monkeypatch.setattr(hicache, name, getattr(kernels, name))
-    monkeypatch.setattr(mha, "can_use_hicache_jit_kernel", kernels.can_use_hicache_jit_kernel)
-    monkeypatch.setattr(mha, "can_use_write_back_jit_kernel", kernels.can_use_write_back_jit_kernel)
-    monkeypatch.setattr(mha, "jit_transfer_hicache_one_layer", kernels.transfer_hicache_one_layer)
+    monkeypatch.setattr(
+        mha, "can_use_hicache_jit_kernel", kernels.can_use_hicache_jit_kernel
+    )
+    monkeypatch.setattr(
+        mha, "can_use_write_back_jit_kernel", kernels.can_use_write_back_jit_kernel
+    )
+    monkeypatch.setattr(
+        mha, "jit_transfer_hicache_one_layer", kernels.transfer_hicache_one_layer
+    )
     monkeypatch.setattr(
         mha,
         "jit_transfer_hicache_all_layer_staged_lf_pf",
         kernels.transfer_hicache_all_layer_staged_lf_pf,
     )
-    platform = SimpleNamespace(capabilities=SimpleNamespace(hicache_device_kernels=True))
+    platform = SimpleNamespace(
+        capabilities=SimpleNamespace(hicache_device_kernels=True)
+    )
     monkeypatch.setattr(mha, "current_platform", platform)
     monkeypatch.setattr(mha, "_is_cuda", True)
     monkeypatch.setattr(host_pool, "current_platform", platform)

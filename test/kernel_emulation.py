@@ -82,7 +82,9 @@ class EmulatedKernels:
         unroll=None,
         block_quota=None,
     ) -> None:
-        element_size = element_size or staging_k[0, 0].numel() * staging_k.element_size()
+        element_size = (
+            element_size or staging_k[0, 0].numel() * staging_k.element_size()
+        )
         self.calls.append(("staged_write_back", element_size))
         assert element_size % 16 == 0, "element size must be 16-byte aligned"
         assert dst_indices.device.type == "cpu" and dst_indices.dtype == torch.int64
@@ -96,7 +98,10 @@ class EmulatedKernels:
             tokens = len(chunk) * page_size
             chunk_dst = dst_indices[begin * page_size : begin * page_size + tokens]
             assert chunk_dst.numel() == tokens, "staging token count mismatch"
-            for ptrs, staging, dst in ((k_ptr_src, staging_k, dst_k), (v_ptr_src, staging_v, dst_v)):
+            for ptrs, staging, dst in (
+                (k_ptr_src, staging_k, dst_k),
+                (v_ptr_src, staging_v, dst_v),
+            ):
                 staged = _bytes(staging[:tokens]).view(tokens, layer_num, element_size)
                 for layer, address in enumerate(ptrs.tolist()):
                     rows = self.pointers.rows(address, element_size)

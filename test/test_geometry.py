@@ -32,10 +32,20 @@ def test_geometry_refuses(kwargs, match):
 
 # Hand-computed: payload 2 * heads * head_dim * layers, scales 2 * heads * head_dim / 32 * layers.
 MODELS = {
-    "llama-3.1-8b": (ModelGeometry(layers=32, kv_heads=8, head_dim=128), 1, 65536, 2048),
+    "llama-3.1-8b": (
+        ModelGeometry(layers=32, kv_heads=8, head_dim=128),
+        1,
+        65536,
+        2048,
+    ),
     "qwen3-32b": (ModelGeometry(layers=64, kv_heads=8, head_dim=128), 1, 131072, 4096),
     # 8 KV heads over TP 8: one head per rank.
-    "llama-3.1-70b-tp8": (ModelGeometry(layers=80, kv_heads=8, head_dim=128), 8, 20480, 640),
+    "llama-3.1-70b-tp8": (
+        ModelGeometry(layers=80, kv_heads=8, head_dim=128),
+        8,
+        20480,
+        640,
+    ),
 }
 
 
@@ -64,4 +74,9 @@ def test_host_tokens_from_size_and_ratio():
 
 def test_tp_must_divide_or_replicate_heads():
     with pytest.raises(ValueError, match="tp_size"):
-        host_plan(ModelGeometry(layers=2, kv_heads=8, head_dim=128), tp_size=3, device_tokens=1, hicache_ratio=1.0)
+        host_plan(
+            ModelGeometry(layers=2, kv_heads=8, head_dim=128),
+            tp_size=3,
+            device_tokens=1,
+            hicache_ratio=1.0,
+        )

@@ -24,14 +24,27 @@ from sglang_mxfp8_hicache.selfcheck import (
 from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 
 
-def make_pools(kernels, *, heads, head_dim, layers, pages, host_cls=MHATokenToKVPoolMXFP8Host):
+def make_pools(
+    kernels, *, heads, head_dim, layers, pages, host_cls=MHATokenToKVPoolMXFP8Host
+):
     device_pool = build_device_pool(
-        head_num=heads, head_dim=head_dim, layer_num=layers, pages=2 * pages + 1, device="cpu"
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        pages=2 * pages + 1,
+        device="cpu",
     )
     kernels.pointers.register(
-        [*device_pool.k_buffer, *device_pool.v_buffer, *device_pool.k_scale_buffer, *device_pool.v_scale_buffer]
+        [
+            *device_pool.k_buffer,
+            *device_pool.v_buffer,
+            *device_pool.k_scale_buffer,
+            *device_pool.v_scale_buffer,
+        ]
     )
-    host = build_host_pool(device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=False)
+    host = build_host_pool(
+        device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=False
+    )
     return device_pool, host
 
 
@@ -47,7 +60,9 @@ def make_pools(kernels, *, heads, head_dim, layers, pages, host_cls=MHATokenToKV
     ],
 )
 def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
-    device_pool, host = make_pools(cpu_kernels, heads=heads, head_dim=head_dim, layers=layers, pages=pages)
+    device_pool, host = make_pools(
+        cpu_kernels, heads=heads, head_dim=head_dim, layers=layers, pages=pages
+    )
     assert host.page_num >= pages
     result = round_trip(device_pool, host, pages=pages, seed=pages)
     assert result.payload_restored
@@ -65,7 +80,12 @@ def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
 def test_plain_host_pool_loses_scales(cpu_kernels):
     """The control: SGLang's payload-only host pool restores the payload but not the scales."""
     device_pool, host = make_pools(
-        cpu_kernels, heads=8, head_dim=128, layers=2, pages=8, host_cls=MHATokenToKVPoolHost
+        cpu_kernels,
+        heads=8,
+        head_dim=128,
+        layers=2,
+        pages=8,
+        host_cls=MHATokenToKVPoolHost,
     )
     result = round_trip(device_pool, host, pages=8)
     assert result.payload_restored
@@ -73,7 +93,9 @@ def test_plain_host_pool_loses_scales(cpu_kernels):
 
 
 def test_sizing_counts_scales(cpu_kernels):
-    device_pool, host = make_pools(cpu_kernels, heads=8, head_dim=128, layers=4, pages=2)
+    device_pool, host = make_pools(
+        cpu_kernels, heads=8, head_dim=128, layers=4, pages=2
+    )
     payload = 2 * 8 * 128 * 4
     scales = 2 * 8 * 4 * 4
     assert host.get_size_per_token() == payload + scales
@@ -96,7 +118,11 @@ def test_host_tokens_match_sizing(cpu_kernels, model, tp, hicache_size_gb, ratio
     """`size` (the CLI) computes what the real host pool allocates."""
     heads = model.kv_heads_per_rank(tp)
     device_pool = build_device_pool(
-        head_num=heads, head_dim=model.head_dim, layer_num=model.layers, pages=2, device="cpu"
+        head_num=heads,
+        head_dim=model.head_dim,
+        layer_num=model.layers,
+        pages=2,
+        device="cpu",
     )
     info = device_pool.get_device_pool_infos()[0].buffer_info
     host = MHATokenToKVPoolMXFP8Host(
@@ -143,17 +169,27 @@ def no_allocation(monkeypatch):
 
 @pytest.fixture
 def mxfp8_pool():
-    return build_device_pool(head_num=2, head_dim=128, layer_num=2, pages=2, device="cpu")
+    return build_device_pool(
+        head_num=2, head_dim=128, layer_num=2, pages=2, device="cpu"
+    )
 
 
 def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
-    pool = build_device_pool(head_num=2, head_dim=128, layer_num=2, pages=2, device="cpu")
+    pool = build_device_pool(
+        head_num=2, head_dim=128, layer_num=2, pages=2, device="cpu"
+    )
     # A page size other than 128 gives SGLang's per-token scale layout.
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
 
     pool = MHATokenToKVPoolMXFP8(
-        size=256, page_size=64, dtype=torch.float8_e4m3fn, head_num=2, head_dim=128,
-        layer_num=2, device="cpu", enable_memory_saver=False,
+        size=256,
+        page_size=64,
+        dtype=torch.float8_e4m3fn,
+        head_num=2,
+        head_dim=128,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="set --page-size 128"):
@@ -163,38 +199,64 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_head"])
 def test_refuses_layout(cpu_kernels, no_allocation, mxfp8_pool, layout):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="use --hicache-mem-layout page_first"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="use --hicache-mem-layout page_first"
+    ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, layout, **_kwargs(mxfp8_pool))
 
 
-def test_refuses_configured_direct_io(cpu_kernels, no_allocation, mxfp8_pool, monkeypatch):
+def test_refuses_configured_direct_io(
+    cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
+):
     monkeypatch.setattr(host_pool_module, "configured_io_backend", lambda: "direct")
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool))
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
+    ):
+        MHATokenToKVPoolMXFP8Host(
+            info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
+        )
 
 
 def test_refuses_host_page_size_mismatch(cpu_kernels, no_allocation, mxfp8_pool):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="host page_size 64 != device page_size 128"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="host page_size 64 != device page_size 128"
+    ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(mxfp8_pool))
 
 
 def test_refuses_draft_layers(cpu_kernels, no_allocation, mxfp8_pool):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    draft = build_device_pool(head_num=2, head_dim=128, layer_num=1, pages=2, device="cpu")
+    draft = build_device_pool(
+        head_num=2, head_dim=128, layer_num=1, pages=2, device="cpu"
+    )
     draft_info = draft.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="drop --speculative-algorithm"):
         MHATokenToKVPoolMXFP8Host(
-            info, 2.0, 0, 128, "page_first", draft_buffer_infos=(draft_info,), **_kwargs(mxfp8_pool)
+            info,
+            2.0,
+            0,
+            128,
+            "page_first",
+            draft_buffer_infos=(draft_info,),
+            **_kwargs(mxfp8_pool),
         )
 
 
 def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="without --hicache-storage-backend"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="without --hicache-storage-backend"
+    ):
         MHATokenToKVPoolMXFP8Host(
-            info, 2.0, 0, 128, "page_first", allocator_type="file", **_kwargs(mxfp8_pool)
+            info,
+            2.0,
+            0,
+            128,
+            "page_first",
+            allocator_type="file",
+            **_kwargs(mxfp8_pool),
         )
 
 
@@ -202,24 +264,39 @@ def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
     # No cpu_kernels: the real platform gate of a CPU-only machine.
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="need a CUDA or ROCm GPU"):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool))
+        MHATokenToKVPoolMXFP8Host(
+            info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
+        )
 
 
-def test_refuses_when_jit_kernel_unavailable(cpu_kernels, no_allocation, mxfp8_pool, monkeypatch):
+def test_refuses_when_jit_kernel_unavailable(
+    cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
+):
     from sglang.kernels.ops.kvcache import hicache
 
     monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="cannot move scale pages of 1024 B"):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool))
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="cannot move scale pages of 1024 B"
+    ):
+        MHATokenToKVPoolMXFP8Host(
+            info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
+        )
 
 
 def test_refuses_asymmetric_heads(cpu_kernels, no_allocation):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
 
     pool = MHATokenToKVPoolMXFP8(
-        size=256, page_size=128, dtype=torch.float8_e4m3fn, head_num=2, head_dim=128,
-        layer_num=2, device="cpu", enable_memory_saver=False, v_head_dim=64,
+        size=256,
+        page_size=128,
+        dtype=torch.float8_e4m3fn,
+        head_num=2,
+        head_dim=128,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
+        v_head_dim=64,
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="asymmetric"):
@@ -230,8 +307,14 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     pool = MHATokenToKVPool(
-        size=256, page_size=128, dtype=torch.float8_e4m3fn, head_num=2, head_dim=128,
-        layer_num=2, device="cpu", enable_memory_saver=False,
+        size=256,
+        page_size=128,
+        dtype=torch.float8_e4m3fn,
+        head_num=2,
+        head_dim=128,
+        layer_num=2,
+        device="cpu",
+        enable_memory_saver=False,
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="--kv-cache-dtype mxfp8 only"):
@@ -239,16 +322,24 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
 
 
 def test_transfer_with_other_io_backend_moves_nothing(cpu_kernels):
-    device_pool, host = make_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
+    device_pool, host = make_pools(
+        cpu_kernels, heads=2, head_dim=128, layers=2, pages=2
+    )
     host.kv_buffer.view(torch.uint8).fill_(7)
     host.scale_host.fill_(7)
     tokens = page_token_indices(torch.tensor([1]))
-    with pytest.raises(MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
+    ):
         host.backup_from_device_all_layer(device_pool, tokens, tokens, "direct")
-    with pytest.raises(MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
+    ):
         host.load_to_device_per_layer(device_pool, tokens, tokens, 0, "direct")
     assert cpu_kernels.calls == []
-    assert bool((host.kv_buffer.view(torch.uint8) == 7).all()) and bool((host.scale_host == 7).all())
+    assert bool((host.kv_buffer.view(torch.uint8) == 7).all()) and bool(
+        (host.scale_host == 7).all()
+    )
 
 
 @pytest.mark.parametrize(
@@ -285,7 +376,9 @@ def test_destroy_after_half_built(cpu_kernels, mxfp8_pool, monkeypatch):
     monkeypatch.setattr(MHATokenToKVPoolMXFP8Host, "destroy", record_destroy)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MemoryError):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool))
+        MHATokenToKVPoolMXFP8Host(
+            info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
+        )
     assert seen["scale_host"] is not None
     assert destroyed == [True]
 

@@ -21,7 +21,6 @@ SGLANG_MXFP8 = "sglang.srt.mem_cache.pool_host.mha_mxfp8.MHATokenToKVPoolMXFP8Ho
 SGLANG_PLAIN = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
 
 
-
 def run_dispatch(order: str, **env: str) -> tuple[dict[str, str], str]:
     environ = {**os.environ, **env}
     environ.pop("SGLANG_PLUGINS", None)

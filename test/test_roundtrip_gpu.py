@@ -8,7 +8,11 @@ from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-from sglang_mxfp8_hicache.selfcheck import build_device_pool, build_host_pool, round_trip
+from sglang_mxfp8_hicache.selfcheck import (
+    build_device_pool,
+    build_host_pool,
+    round_trip,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -17,9 +21,15 @@ LAYERS = 4
 
 def pools(heads, head_dim, pages, host_cls=MHATokenToKVPoolMXFP8Host):
     device_pool = build_device_pool(
-        head_num=heads, head_dim=head_dim, layer_num=LAYERS, pages=2 * pages + 1, device="cuda"
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=LAYERS,
+        pages=2 * pages + 1,
+        device="cuda",
     )
-    host = build_host_pool(device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=True)
+    host = build_host_pool(
+        device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=True
+    )
     return device_pool, host
 
 
@@ -52,7 +62,9 @@ def test_dispatch_on_cuda_pool():
     load_plugins()
     from sglang.srt.mem_cache.pool_host import mha
 
-    device_pool = build_device_pool(head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda")
+    device_pool = build_device_pool(
+        head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
+    )
     info = device_pool.get_device_pool_infos()[0].buffer_info
     assert mha.get_mha_host_pool_cls(info) is MHATokenToKVPoolMXFP8Host
 
@@ -66,7 +78,9 @@ def test_destroy_unregisters_pinned_scales():
 
 
 def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
-    device_pool = build_device_pool(head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda")
+    device_pool = build_device_pool(
+        head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
+    )
     seen = {}
 
     def fail_payload(self):
@@ -75,6 +89,11 @@ def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
 
     monkeypatch.setattr(MHATokenToKVPoolHost, "init_kv_buffer", fail_payload)
     with pytest.raises(MemoryError):
-        build_host_pool(device_pool, MHATokenToKVPoolMXFP8Host, host_to_device_ratio=1.0, pin_memory=True)
+        build_host_pool(
+            device_pool,
+            MHATokenToKVPoolMXFP8Host,
+            host_to_device_ratio=1.0,
+            pin_memory=True,
+        )
     assert getattr(seen["scale_host"], common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
     torch.cuda.synchronize()

@@ -1,8 +1,8 @@
 """``sglang-mxfp8-hicache``: check the installation, size the host tier.
 
-    sglang-mxfp8-hicache check [--json]
-    sglang-mxfp8-hicache size --device-tokens N (--config config.json | --layers L
-        --kv-heads H --head-dim D) [--tp-size T] [--hicache-ratio R | --hicache-size GB]
+sglang-mxfp8-hicache check [--json]
+sglang-mxfp8-hicache size --device-tokens N (--config config.json | --layers L
+    --kv-heads H --head-dim D) [--tp-size T] [--hicache-ratio R | --hicache-size GB]
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ class Step:
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    widths = [
+        max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))
+    ]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(line.format(*headers).rstrip())
     print(line.format(*("-" * w for w in widths)).rstrip())
     for row in rows:
@@ -69,7 +71,9 @@ def _check_fresh_process() -> tuple[str, str]:
     if done.returncode:
         return FAIL, done.stderr.strip().splitlines()[-1]
     chosen = json.loads(done.stdout.strip().splitlines()[-1])
-    ours = chosen["mxfp8/assembler"].endswith("sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host")
+    ours = chosen["mxfp8/assembler"].endswith(
+        "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+    )
     others = chosen["bf16/assembler"].startswith("sglang.")
     if ours and others:
         return OK, "load_plugins() hooks get_mha_host_pool_cls in a new process"
@@ -86,17 +90,20 @@ def _check_entry_point() -> tuple[str, str]:
 
 
 def _check_dispatch() -> tuple[str, str]:
+    from sglang.srt.plugins import load_plugins
+
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
     from sglang_mxfp8_hicache.probe import device_buffer_info
-
-    from sglang.srt.plugins import load_plugins
 
     load_plugins()
     from sglang.srt.mem_cache.pool_host import mha
 
     chosen = mha.get_mha_host_pool_cls(device_buffer_info("mxfp8"))
     if chosen is MHATokenToKVPoolMXFP8Host:
-        return OK, "MHATokenToKVPoolMXFP8 -> sglang_mxfp8_hicache MHATokenToKVPoolMXFP8Host"
+        return (
+            OK,
+            "MHATokenToKVPoolMXFP8 -> sglang_mxfp8_hicache MHATokenToKVPoolMXFP8Host",
+        )
     return FAIL, f"MHATokenToKVPoolMXFP8 -> {chosen.__module__}.{chosen.__qualname__}"
 
 
@@ -115,14 +122,21 @@ def _check_round_trip() -> tuple[str, str]:
     if not torch.cuda.is_available():
         return SKIPPED, "no CUDA GPU here: the JIT transfer kernels need one"
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.selfcheck import build_device_pool, build_host_pool, round_trip
+    from sglang_mxfp8_hicache.selfcheck import (
+        build_device_pool,
+        build_host_pool,
+        round_trip,
+    )
 
     pages = 64
     device_pool = build_device_pool(
         head_num=8, head_dim=128, layer_num=8, pages=2 * pages + 1, device="cuda"
     )
     host = build_host_pool(
-        device_pool, MHATokenToKVPoolMXFP8Host, host_to_device_ratio=1.0, pin_memory=True
+        device_pool,
+        MHATokenToKVPoolMXFP8Host,
+        host_to_device_ratio=1.0,
+        pin_memory=True,
     )
     try:
         round_trip(device_pool, host, pages=pages, seed=1)  # warm-up: JIT compiles
@@ -152,7 +166,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([asdict(s) for s in steps], indent=2))
     else:
-        print_table(["step", "status", "detail"], [[s.name, s.status, s.detail] for s in steps])
+        print_table(
+            ["step", "status", "detail"], [[s.name, s.status, s.detail] for s in steps]
+        )
         skipped = [s.name for s in steps if s.status == SKIPPED]
         if skipped:
             print(f"\nNot run on this machine: {', '.join(skipped)}.")
@@ -163,10 +179,15 @@ def cmd_size(args: argparse.Namespace) -> int:
     if args.config:
         model = ModelGeometry.from_hf_config(args.config)
     elif None in (args.layers, args.kv_heads, args.head_dim):
-        print("size: give --config or all of --layers, --kv-heads, --head-dim", file=sys.stderr)
+        print(
+            "size: give --config or all of --layers, --kv-heads, --head-dim",
+            file=sys.stderr,
+        )
         return 2
     else:
-        model = ModelGeometry(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
+        model = ModelGeometry(
+            layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim
+        )
     plan = host_plan(
         model,
         tp_size=args.tp_size,
@@ -175,12 +196,20 @@ def cmd_size(args: argparse.Namespace) -> int:
         hicache_size_gb=args.hicache_size,
     )
     if args.json:
-        print(json.dumps({**asdict(plan), "bytes_per_token": plan.bytes_per_token,
-                          "host_bytes": plan.host_bytes,
-                          "host_bytes_without_scales": plan.host_bytes_without_scales}))
+        print(
+            json.dumps(
+                {
+                    **asdict(plan),
+                    "bytes_per_token": plan.bytes_per_token,
+                    "host_bytes": plan.host_bytes,
+                    "host_bytes_without_scales": plan.host_bytes_without_scales,
+                }
+            )
+        )
         return 0
     sizing = (
-        f"--hicache-size {args.hicache_size} GB" if args.hicache_size > 0
+        f"--hicache-size {args.hicache_size} GB"
+        if args.hicache_size > 0
         else f"--hicache-ratio {args.hicache_ratio} x {args.device_tokens} device tokens"
     )
     print(
@@ -190,23 +219,38 @@ def cmd_size(args: argparse.Namespace) -> int:
     print_table(
         ["", "bytes/token", "host tokens", "host GB"],
         [
-            ["fp8 payload only", str(plan.payload_bytes_per_token),
-             str(plan.host_tokens_without_scales), f"{plan.host_bytes_without_scales / 1e9:.3f}"],
-            ["MXFP8 with scales", str(plan.bytes_per_token),
-             str(plan.host_tokens), f"{plan.host_bytes / 1e9:.3f}"],
+            [
+                "fp8 payload only",
+                str(plan.payload_bytes_per_token),
+                str(plan.host_tokens_without_scales),
+                f"{plan.host_bytes_without_scales / 1e9:.3f}",
+            ],
+            [
+                "MXFP8 with scales",
+                str(plan.bytes_per_token),
+                str(plan.host_tokens),
+                f"{plan.host_bytes / 1e9:.3f}",
+            ],
         ],
     )
-    print(f"scales: {plan.scale_bytes_per_token} B/token "
-          f"({100 * plan.scale_bytes_per_token / plan.payload_bytes_per_token:.3f} % of the payload)")
+    print(
+        f"scales: {plan.scale_bytes_per_token} B/token "
+        f"({100 * plan.scale_bytes_per_token / plan.payload_bytes_per_token:.3f} % of the payload)"
+    )
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sglang-mxfp8-hicache", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="sglang-mxfp8-hicache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="verify the plugin, dispatch, sizing and (on CUDA) a round trip")
+    check = sub.add_parser(
+        "check", help="verify the plugin, dispatch, sizing and (on CUDA) a round trip"
+    )
     check.add_argument("--json", action="store_true")
     check.set_defaults(func=cmd_check)
 
@@ -216,10 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--kv-heads", type=int)
     size.add_argument("--head-dim", type=int)
     size.add_argument("--tp-size", type=int, default=1)
-    size.add_argument("--device-tokens", type=int, required=True,
-                      help="the device KV pool's token count (max_total_num_tokens)")
+    size.add_argument(
+        "--device-tokens",
+        type=int,
+        required=True,
+        help="the device KV pool's token count (max_total_num_tokens)",
+    )
     size.add_argument("--hicache-ratio", type=float, default=2.0)
-    size.add_argument("--hicache-size", type=float, default=0.0, help="GB; overrides the ratio")
+    size.add_argument(
+        "--hicache-size", type=float, default=0.0, help="GB; overrides the ratio"
+    )
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=cmd_size)
     return parser

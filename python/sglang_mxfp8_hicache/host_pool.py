@@ -24,7 +24,8 @@ unchanged.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.kernels.ops.kvcache import hicache as hicache_jit
@@ -227,7 +228,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         payload_row_bytes = (
             buffer_info.head_num * buffer_info.head_dim * buffer_info.dtype.itemsize
         )
-        if not hicache_jit.can_use_write_back_jit_kernel(element_size=payload_row_bytes):
+        if not hicache_jit.can_use_write_back_jit_kernel(
+            element_size=payload_row_bytes
+        ):
             raise refuse(
                 f"the staged write-back kernel rejects fp8 rows of {payload_row_bytes} "
                 "B (needs a multiple of 16 B per token: more KV heads per rank, i.e. "

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo

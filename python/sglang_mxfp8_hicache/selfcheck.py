@@ -91,7 +91,12 @@ def _fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> Non
         raw = tensor.view(torch.uint8)
         raw.copy_(
             torch.randint(
-                0, 256, raw.shape, dtype=torch.uint8, generator=generator, device=generator.device
+                0,
+                256,
+                raw.shape,
+                dtype=torch.uint8,
+                generator=generator,
+                device=generator.device,
             )
         )
 
@@ -101,7 +106,9 @@ def _device_pages(
 ) -> list[torch.Tensor]:
     """Each tensor as [page, bytes] rows on the CPU (the pool holds size + 1 pages)."""
     page_num = pool.size // PAGE_SIZE + 1
-    return [t.view(torch.uint8).reshape(page_num, -1).to("cpu", copy=True) for t in tensors]
+    return [
+        t.view(torch.uint8).reshape(page_num, -1).to("cpu", copy=True) for t in tensors
+    ]
 
 
 def page_token_indices(pages: torch.Tensor) -> torch.Tensor:
@@ -152,7 +159,9 @@ def round_trip(
 
     _sync(device)
     start = time.perf_counter()
-    host_pool.backup_from_device_all_layer(device_pool, host_tokens, src_tokens, IO_BACKEND)
+    host_pool.backup_from_device_all_layer(
+        device_pool, host_tokens, src_tokens, IO_BACKEND
+    )
     _sync(device)
     backup_seconds = time.perf_counter() - start
 
@@ -175,10 +184,12 @@ def round_trip(
     untouched = torch.ones(device_page_num + 1, dtype=torch.bool)
     untouched[dst_pages] = False
     restored_ok = [
-        torch.equal(now[dst_pages], before[src_pages]) for now, before in zip(restored, saved)
+        torch.equal(now[dst_pages], before[src_pages])
+        for now, before in zip(restored, saved, strict=True)
     ]
     device_untouched = all(
-        torch.equal(now[untouched], before[untouched]) for now, before in zip(restored, clobbered)
+        torch.equal(now[untouched], before[untouched])
+        for now, before in zip(restored, clobbered, strict=True)
     )
     moved = sum(t[0].numel() for t in saved) * pages  # bytes per page, all tensors
     return RoundTripResult(
@@ -202,7 +213,7 @@ def _host_untouched(
     """Host pages outside the backup still hold their random bytes."""
     untouched = torch.ones(host_pool.page_num, dtype=torch.bool)
     untouched[host_pages] = False
-    for now, was in zip(host_tensors, before):
+    for now, was in zip(host_tensors, before, strict=True):
         # kv_buffer is (2, tokens, ...) and scale_host is (2, pages, ...): both
         # become (2, pages, bytes) rows.
         now_rows = now.view(torch.uint8).reshape(2, host_pool.page_num, -1)

@@ -97,7 +97,9 @@ def host_plan(
     hicache_size_gb: float = 0.0,
 ) -> HostPlan:
     heads = model.kv_heads_per_rank(tp_size)
-    scales = MXFP8ScaleGeometry(head_num=heads, head_dim=model.head_dim, page_size=PAGE_SIZE)
+    scales = MXFP8ScaleGeometry(
+        head_num=heads, head_dim=model.head_dim, page_size=PAGE_SIZE
+    )
     payload = 2 * scales.payload_bytes_per_token * model.layers
     scale = 2 * scales.bytes_per_token * model.layers
 
