@@ -41,6 +41,7 @@ def cpu_kernels(monkeypatch) -> EmulatedKernels:
         "can_use_hicache_jit_kernel",
         "can_use_write_back_jit_kernel",
         "transfer_hicache_one_layer",
+        "transfer_hicache_all_layer",
         "transfer_hicache_all_layer_staged_lf_pf",
     ):
         monkeypatch.setattr(hicache, name, getattr(kernels, name))

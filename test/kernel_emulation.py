@@ -11,12 +11,18 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   ``dst_indices[p * page_size]`` (only the first index of each page is read).
   ``dst_indices`` must be CPU int64 and the element size a multiple of 16 B
   (``staged_write_back.cuh``).
+- ``transfer_hicache_all_layer``: for every layer ``l`` of the four uint64
+  pointer tables and every ``i``, ``element_size`` bytes go from
+  ``k_ptr_src[l] + indices_src[i] * src_stride`` to
+  ``k_ptr_dst[l] + indices_dst[i] * dst_stride``, and likewise for V
+  (``hicache.cuh`` ``run_all``).
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
 
 Pointer tables are resolved against the tensors registered with
-:class:`PointerMap`, so a wrong pointer fails loudly instead of reading garbage.
+:class:`PointerMap` (an address may point inside one), so a wrong pointer fails
+loudly instead of reading garbage.
 """
 
 from __future__ import annotations
@@ -26,19 +32,28 @@ from sglang.kernels.ops.kvcache import hicache as hicache_jit
 
 
 class PointerMap:
-    """Resolves the uint64 addresses of a kernel pointer table to registered tensors."""
+    """Resolves uint64 addresses of a kernel pointer table inside registered tensors."""
 
     def __init__(self) -> None:
-        self._by_address: dict[int, torch.Tensor] = {}
+        self._tensors: list[torch.Tensor] = []
 
     def register(self, tensors) -> None:
         for tensor in tensors:
-            self._by_address[tensor.data_ptr()] = tensor
+            assert tensor.is_contiguous(), "registered buffers must be packed"
+            self._tensors.append(tensor)
+
+    def locate(self, address: int) -> tuple[torch.Tensor, int]:
+        """The flat bytes of the tensor holding ``address``, and its offset there."""
+        for tensor in self._tensors:
+            start = tensor.data_ptr()
+            if start <= address < start + tensor.numel() * tensor.element_size():
+                return tensor.view(torch.uint8).reshape(-1), address - start
+        raise KeyError(f"address {address:#x} is in no registered tensor")
 
     def rows(self, address: int, element_size: int) -> torch.Tensor:
-        tensor = self._by_address[address]
-        assert tensor.is_contiguous(), "device rows must be packed"
-        return tensor.view(torch.uint8).reshape(-1, element_size)
+        flat, offset = self.locate(address)
+        assert offset == 0, "packed device rows start at their tensor"
+        return flat.view(-1, element_size)
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,7 +61,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class EmulatedKernels:
-    """The four hicache.py entry points our path and the base class use, on CPU."""
+    """The hicache.py entry points our path and the base class use, on CPU."""
 
     def __init__(self, pointers: PointerMap) -> None:
         self.pointers = pointers
@@ -115,6 +130,44 @@ class EmulatedKernels:
                     host[first : first + page_size] = staged[
                         p * page_size : (p + 1) * page_size
                     ]
+
+    def transfer_hicache_all_layer(
+        self,
+        k_ptr_dst,
+        v_ptr_dst,
+        indices_dst,
+        k_ptr_src,
+        v_ptr_src,
+        indices_src,
+        *,
+        kv_cache_src_stride_bytes,
+        kv_cache_dst_stride_bytes,
+        element_size=None,
+        unroll=None,
+        block_quota=None,
+        page_size=None,
+    ) -> None:
+        if element_size is None:
+            assert kv_cache_dst_stride_bytes == kv_cache_src_stride_bytes
+            element_size = kv_cache_dst_stride_bytes
+        self.calls.append(("all_layer", element_size))
+        assert self.can_use_hicache_jit_kernel(element_size=element_size)
+        tables = (k_ptr_dst, v_ptr_dst, k_ptr_src, v_ptr_src)
+        assert all(t.dtype == torch.uint64 and t.dim() == 1 for t in tables)
+        assert len({t.numel() for t in tables}) == 1, "pointer tables differ in layers"
+        assert indices_src.dtype in (torch.int32, torch.int64)
+        assert indices_dst.dtype in (torch.int32, torch.int64)
+        assert indices_src.numel() == indices_dst.numel()
+        span = torch.arange(element_size)
+        src_offsets = indices_src.long()[:, None] * kv_cache_src_stride_bytes + span
+        dst_offsets = indices_dst.long()[:, None] * kv_cache_dst_stride_bytes + span
+        for src_table, dst_table in ((k_ptr_src, k_ptr_dst), (v_ptr_src, v_ptr_dst)):
+            for src_address, dst_address in zip(
+                src_table.tolist(), dst_table.tolist(), strict=True
+            ):
+                src, src_base = self.pointers.locate(src_address)
+                dst, dst_base = self.pointers.locate(dst_address)
+                dst[dst_base + dst_offsets] = src[src_base + src_offsets]
 
     def transfer_hicache_one_layer(
         self,

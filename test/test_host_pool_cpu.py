@@ -45,6 +45,8 @@ def make_pools(
     host = build_host_pool(
         device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=False
     )
+    if isinstance(host, MHATokenToKVPoolMXFP8Host):
+        kernels.pointers.register([host.scale_host])
     return device_pool, host
 
 
@@ -52,6 +54,7 @@ def make_pools(
     "heads, head_dim, layers, pages",
     [
         (1, 128, 3, 1),
+        (2, 128, 1, 3),  # one layer: layer 0 brings every scale
         (1, 128, 3, 200),  # crosses the 64-page write-back staging chunk three times
         (8, 128, 2, 64),
         (8, 128, 2, 130),
@@ -70,9 +73,14 @@ def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
     assert result.host_untouched
     assert result.device_untouched
     page_bytes = host.scale_geometry.page_bytes
-    # The scales went through the kernels as one element per page.
-    assert ("staged_write_back", page_bytes) in cpu_kernels.calls
-    assert cpu_kernels.calls.count(("one_layer", page_bytes)) == layers
+    # The scales went through the all-layer kernel as one element per page:
+    # one launch for the backup, two for the load (layer 0, then the rest).
+    assert cpu_kernels.calls.count(("all_layer", page_bytes)) == (
+        3 if layers > 1 else 2
+    )
+    assert not any(
+        size == page_bytes for name, size in cpu_kernels.calls if name != "all_layer"
+    )
     # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
     assert (host.scale_host == 0xFF).any()
 
@@ -388,3 +396,30 @@ def test_destroy_is_idempotent(cpu_kernels):
     host.destroy()
     host.destroy()
     assert host.scale_host is None and host.kv_buffer is None
+
+
+def test_load_with_new_index_tensors_per_layer(cpu_kernels):
+    """Equal indices in new tensors for each layer: page ids are recomputed, not reused."""
+    device_pool, host = make_pools(
+        cpu_kernels, heads=2, head_dim=128, layers=3, pages=4
+    )
+    host.scale_host.copy_(
+        torch.randint(0, 256, host.scale_host.shape, dtype=torch.uint8)
+    )
+    host_pages, device_pages = torch.tensor([3, 0]), torch.tensor([5, 2])
+    for layer in range(3):
+        host.load_to_device_per_layer(
+            device_pool,
+            page_token_indices(host_pages),
+            page_token_indices(device_pages),
+            layer,
+            "kernel",
+        )
+    for layer in range(3):
+        for side, scales in enumerate(
+            (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
+        ):
+            rows = scales[layer].view(torch.uint8).reshape(scales[layer].shape[0], -1)
+            assert torch.equal(
+                rows[device_pages], host.scale_host[side, host_pages, layer]
+            )

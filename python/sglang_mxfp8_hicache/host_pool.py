@@ -14,11 +14,15 @@ Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128):
     page 1  | row                   |  <------>   | page 1: layer 0 | layer 1 |..|
      ...    +-----------------------+    H2D      +------------------------------+
 
-A page of scales is one kernel element, so SGLang's own JIT kernels move the
-scales with ``page_size=1`` and page ids as indices: the staged all-layer
-write-back for D2H (the same path the payload takes) and the single-layer gather
-for H2D, K and V together in each call. The payload moves through the base class
-unchanged.
+A page of scales is one kernel element, so SGLang's own JIT all-layer kernel
+(``transfer_hicache_all_layer``, per-layer uint64 pointer tables, row strides in
+bytes) moves the scales with page ids as indices, K and V in one launch:
+
+    D2H  every layer in one launch, right after the payload's staged write-back
+    H2D  layer 0's scales with layer 0; every other layer's with layer 1
+
+The payload moves through the base class unchanged. The scales of a transfer
+cost one launch each way (two for a load), not one copy per page and layer.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.kernels.ops.kvcache import hicache as hicache_jit
 from sglang.srt.mem_cache.device_pool_info import KVScaleLayout
-from sglang.srt.mem_cache.pool_host.base import _WRITE_BACK_STAGING_PAGE_CHUNK
 from sglang.srt.mem_cache.pool_host.common import (
     ALLOC_MEMORY_FUNCS,
     _cuda_host_unregister,
@@ -131,13 +134,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 head_group_num=head_group_num,
                 host_token_capacity=host_token_capacity,
             )
-            if not self.can_use_write_back_jit:
-                # _check_config mirrors every condition of the base class's gate.
-                raise MXFP8HiCacheConfigError(
-                    f"{pool_label}: the base host pool did not enable the staged "
-                    "write-back kernel, so host indices would reach the scale "
-                    "write-back on the GPU."
-                )
             self._init_scale_transfer(buffer_info)
         except BaseException:
             self.destroy()
@@ -145,8 +141,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         scale_bytes = self.scale_host.numel()
         logger.info(
             "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
-            "(%d B per page and layer for each of K and V), moved by the JIT staged "
-            "write-back (D2H) and single-layer gather (H2D).",
+            "(%d B per page and layer for each of K and V), moved by the JIT "
+            "all-layer kernel, one page per element.",
             pool_label,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
@@ -222,19 +218,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         device_rows = (*buffer_info.buffers.k, *buffer_info.buffers.v)
         if not all(buf.is_contiguous() for buf in device_rows):
             raise refuse(
-                "device KV rows are strided (a unified KV pool); the staged "
-                "write-back needs packed rows."
-            )
-        payload_row_bytes = (
-            buffer_info.head_num * buffer_info.head_dim * buffer_info.dtype.itemsize
-        )
-        if not hicache_jit.can_use_write_back_jit_kernel(
-            element_size=payload_row_bytes
-        ):
-            raise refuse(
-                f"the staged write-back kernel rejects fp8 rows of {payload_row_bytes} "
-                "B (needs a multiple of 16 B per token: more KV heads per rank, i.e. "
-                "a smaller --tp-size)."
+                "device KV rows are strided (a unified KV pool), which the MXFP8 "
+                "device pool never builds; run without --enable-hierarchical-cache."
             )
         geometry = MXFP8ScaleGeometry.from_device_scales(
             scales.k[0],
@@ -243,14 +228,11 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             head_dim=buffer_info.head_dim,
             page_size=buffer_info.page_size,
         )
-        if not (
-            hicache_jit.can_use_write_back_jit_kernel(element_size=geometry.page_bytes)
-            and hicache_jit.can_use_hicache_jit_kernel(
-                element_size=geometry.page_bytes, page_size=1
-            )
+        if not hicache_jit.can_use_hicache_jit_kernel(
+            element_size=geometry.page_bytes, page_size=1
         ):
             raise refuse(
-                f"the JIT HiCache kernels cannot move scale pages of "
+                f"the JIT HiCache kernel cannot move scale pages of "
                 f"{geometry.page_bytes} B (see the warning above); run without "
                 "--enable-hierarchical-cache."
             )
@@ -281,39 +263,67 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         page_bytes = self.scale_geometry.page_bytes
         device = self._transfer_device
         self.k_scale_host, self.v_scale_host = self.scale_host
-        self.k_scale_host_layers = tuple(
-            self.k_scale_host[:, layer] for layer in range(self.layer_num)
-        )
-        self.v_scale_host_layers = tuple(
-            self.v_scale_host[:, layer] for layer in range(self.layer_num)
-        )
 
-        def device_rows(scales: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-            return tuple(s.view(torch.uint8).view(-1, page_bytes) for s in scales)
+        def host_layers(host: torch.Tensor) -> torch.Tensor:
+            # [pages, bytes] per layer, rows layer_num * page_bytes apart.
+            views = [host[:, layer] for layer in range(self.layer_num)]
+            return make_kernel_ptr_table(
+                views, device, host_memory_registered=self.pin_memory
+            )
 
-        self.device_k_scale_rows = device_rows(buffer_info.scales.k)
-        self.device_v_scale_rows = device_rows(buffer_info.scales.v)
-        self.device_k_scale_ptrs = make_kernel_ptr_table(
-            list(self.device_k_scale_rows), device, host_memory_registered=False
-        )
-        self.device_v_scale_ptrs = make_kernel_ptr_table(
-            list(self.device_v_scale_rows), device, host_memory_registered=False
-        )
-        staging_pages = min(self.page_num, _WRITE_BACK_STAGING_PAGE_CHUNK)
-        self.k_scale_staging, self.v_scale_staging = torch.empty(
-            (2, staging_pages, self.layer_num, page_bytes),
-            dtype=torch.uint8,
-            device=device,
-        )
+        def device_layers(scales: Sequence[torch.Tensor]) -> torch.Tensor:
+            return make_kernel_ptr_table(
+                list(scales), device, host_memory_registered=False
+            )
 
-    def _page_ids(
-        self, host_indices: torch.Tensor, device_indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token indices of whole pages -> page ids, on whatever device they came."""
-        page_size = self.page_size
-        return (
-            host_indices[::page_size] // page_size,
-            device_indices[::page_size] // page_size,
+        self.k_scale_host_ptrs = host_layers(self.k_scale_host)
+        self.v_scale_host_ptrs = host_layers(self.v_scale_host)
+        self.device_k_scale_ptrs = device_layers(buffer_info.scales.k)
+        self.device_v_scale_ptrs = device_layers(buffer_info.scales.v)
+        self._host_row_stride = self.layer_num * page_bytes
+        self._load_page_ids: tuple[torch.Tensor, ...] = ()
+
+    def _page_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token indices of whole pages -> page ids, on the GPU the kernel reads them."""
+        pages = indices[:: self.page_size] // self.page_size
+        if pages.device != self._transfer_device:
+            # The staged payload write-back keeps host indices on the CPU; a
+            # pinned copy reaches the GPU without waiting for the stream.
+            pages = pages.pin_memory().to(self._transfer_device, non_blocking=True)
+        return pages
+
+    def _move_scales(
+        self,
+        layers: slice,
+        *,
+        to_host: bool,
+        host_pages: torch.Tensor,
+        device_pages: torch.Tensor,
+    ) -> None:
+        """One launch: K and V scale pages of ``layers``, in one direction."""
+        host = (self.k_scale_host_ptrs[layers], self.v_scale_host_ptrs[layers])
+        device = (self.device_k_scale_ptrs[layers], self.device_v_scale_ptrs[layers])
+        (k_src, v_src), (k_dst, v_dst) = (device, host) if to_host else (host, device)
+        src_pages, dst_pages = (
+            (device_pages, host_pages) if to_host else (host_pages, device_pages)
+        )
+        page_bytes = self.scale_geometry.page_bytes
+        src_stride, dst_stride = (
+            (page_bytes, self._host_row_stride)
+            if to_host
+            else (self._host_row_stride, page_bytes)
+        )
+        hicache_jit.transfer_hicache_all_layer(
+            k_ptr_dst=k_dst,
+            v_ptr_dst=v_dst,
+            indices_dst=dst_pages,
+            k_ptr_src=k_src,
+            v_ptr_src=v_src,
+            indices_src=src_pages,
+            kv_cache_src_stride_bytes=src_stride,
+            kv_cache_dst_stride_bytes=dst_stride,
+            element_size=page_bytes,
+            page_size=1,
         )
 
     @staticmethod
@@ -329,22 +339,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self, device_pool, host_indices, device_indices, io_backend
     ) -> None:
         self._require_kernel_io(io_backend)
+        host_pages = self._page_ids(host_indices)
+        device_pages = self._page_ids(device_indices)
         super().backup_from_device_all_layer(
             device_pool, host_indices, device_indices, io_backend
         )
-        # Host indices stay on the CPU for the staged kernel (can_use_write_back_jit),
-        # so the host page ids are CPU int64, as its copy loop requires.
-        host_pages, device_pages = self._page_ids(host_indices, device_indices)
-        hicache_jit.transfer_hicache_all_layer_staged_lf_pf(
-            k_ptr_src=self.device_k_scale_ptrs,
-            v_ptr_src=self.device_v_scale_ptrs,
-            src_indices=device_pages,
-            dst_indices=host_pages,
-            staging_k=self.k_scale_staging,
-            staging_v=self.v_scale_staging,
-            dst_k=self.k_scale_host,
-            dst_v=self.v_scale_host,
-            page_size=1,
+        self._move_scales(
+            slice(None), to_host=True, host_pages=host_pages, device_pages=device_pages
         )
 
     def load_to_device_per_layer(
@@ -357,6 +358,14 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         *,
         is_draft: bool = False,
     ) -> None:
+        """Payload per layer as the base class does; scales in two launches.
+
+        Layer 0 brings its own scales, so the first layer is ready as early as
+        the payload allows; layer 1 brings the scales of every later layer. A
+        transfer loads its layers in order from 0 (the layer-done events the
+        attention layers wait on count up), so every layer's scales are on the
+        device before its event is recorded.
+        """
         self._require_kernel_io(io_backend)
         super().load_to_device_per_layer(
             device_pool,
@@ -366,18 +375,24 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             io_backend,
             is_draft=is_draft,
         )
-        if not 0 <= layer_id < self.target_layer_num:
+        if layer_id == 0:
+            self._load_page_ids = (
+                host_indices,
+                device_indices,
+                self._page_ids(host_indices),
+                self._page_ids(device_indices),
+            )
+            layers = slice(0, 1)
+        elif layer_id == 1 and self.target_layer_num > 1:
+            layers = slice(1, self.target_layer_num)
+        else:
             return
-        host_pages, device_pages = self._page_ids(host_indices, device_indices)
-        hicache_jit.transfer_hicache_one_layer(
-            k_cache_dst=self.device_k_scale_rows[layer_id],
-            v_cache_dst=self.device_v_scale_rows[layer_id],
-            indices_dst=device_pages,
-            k_cache_src=self.k_scale_host_layers[layer_id],
-            v_cache_src=self.v_scale_host_layers[layer_id],
-            indices_src=host_pages,
-            element_dim=self.scale_geometry.page_bytes,
-            page_size=1,
+        cached_host, cached_device, host_pages, device_pages = self._load_page_ids
+        if cached_host is not host_indices or cached_device is not device_indices:
+            host_pages = self._page_ids(host_indices)
+            device_pages = self._page_ids(device_indices)
+        self._move_scales(
+            layers, to_host=False, host_pages=host_pages, device_pages=device_pages
         )
 
     def destroy(self) -> None:
