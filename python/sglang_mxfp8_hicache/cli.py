@@ -240,6 +240,30 @@ def cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (the JIT transfer kernels)", file=sys.stderr)
+        return 2
+    from sglang_mxfp8_hicache import bench
+
+    geometries = tuple(
+        tuple(int(x) for x in g.split("x")) for g in args.geometries.split(",")
+    )
+    pages = tuple(int(p) for p in args.pages.split(","))
+    rows = bench.run(geometries, pages, warmup=args.warmup, repeat=args.repeat)
+    print(
+        f"{torch.cuda.get_device_name()}, {bench.LAYERS} layers, page_size 128, "
+        f"median of {args.repeat} runs (CUDA events)"
+    )
+    print_table(*bench.table(rows))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(bench.to_json(rows))
+    return 0 if all(r.meets_goal() for r in rows) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang-mxfp8-hicache",
@@ -272,6 +296,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.add_argument("--json", action="store_true")
     size.set_defaults(func=cmd_size)
+
+    bench = sub.add_parser(
+        "bench",
+        help="time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy",
+    )
+    bench.add_argument(
+        "--geometries",
+        default="1x128,8x128,32x128",
+        help="KV heads x head_dim, comma separated",
+    )
+    bench.add_argument("--pages", default="1,4,16,64,256,1024")
+    bench.add_argument("--warmup", type=int, default=3)
+    bench.add_argument("--repeat", type=int, default=20)
+    bench.add_argument("--json-out", help="write the rows as JSON here")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

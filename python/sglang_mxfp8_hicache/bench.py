@@ -1,0 +1,311 @@
+"""Side-by-side timing of HiCache host pools on one GPU, in one process.
+
+For each geometry (KV heads x head_dim, 8 layers, page_size 128) and batch of
+pages, both directions are timed with CUDA events (warm-up, then the median of
+``repeat`` runs) for:
+
+- ``ours``: :class:`MHATokenToKVPoolMXFP8Host`;
+- ``v1``: ours as first shipped: scales through the staged write-back (D2H) and
+  one single-layer gather per layer (H2D), kept here to measure what the
+  all-layer kernel changed;
+- ``sglang``: SGLang's own MXFP8 host pool, when the installed SGLang has one;
+- ``payload``: SGLang's ``MHATokenToKVPoolHost`` on the same device pool, which
+  moves the fp8 payload only (the floor any MXFP8 pool is compared with);
+- ``raw``: one pinned ``copy_`` of as many bytes as payload plus scales.
+
+A backup is one ``backup_from_device_all_layer`` call with CPU host indices, as
+SGLang's controller hands them to a pool with the staged write-back; a load is
+one ``load_to_device_per_layer`` call per layer with GPU indices.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from sglang.kernels.ops.kvcache import hicache
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+from sglang_mxfp8_hicache.selfcheck import (
+    IO_BACKEND,
+    build_device_pool,
+    build_host_pool,
+    page_token_indices,
+)
+
+GEOMETRIES = ((1, 128), (8, 128), (32, 128))
+PAGES = (1, 4, 16, 64, 256, 1024)
+LAYERS = 8
+# The issue's goals: (largest ratio to payload-only, for batches from `pages` up).
+BACKUP_GOALS = ((64, 1.04), (1, 1.15))
+LOAD_GOALS = ((64, 1.05), (16, 1.25), (1, 1.5))
+
+
+class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
+    """Ours as first shipped, for the ablation only: staged D2H, per-layer H2D."""
+
+    def _init_scale_transfer(self, buffer_info) -> None:
+        super()._init_scale_transfer(buffer_info)
+        page_bytes = self.scale_geometry.page_bytes
+        self.k_scale_staging, self.v_scale_staging = torch.empty(
+            (2, min(self.page_num, 64), self.layer_num, page_bytes),
+            dtype=torch.uint8,
+            device=self._transfer_device,
+        )
+        self.device_k_rows = [
+            s.view(torch.uint8).view(-1, page_bytes) for s in buffer_info.scales.k
+        ]
+        self.device_v_rows = [
+            s.view(torch.uint8).view(-1, page_bytes) for s in buffer_info.scales.v
+        ]
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ) -> None:
+        MHATokenToKVPoolHost.backup_from_device_all_layer(
+            self, device_pool, host_indices, device_indices, io_backend
+        )
+        ps = self.page_size
+        hicache.transfer_hicache_all_layer_staged_lf_pf(
+            k_ptr_src=self.device_k_scale_ptrs,
+            v_ptr_src=self.device_v_scale_ptrs,
+            src_indices=device_indices[::ps] // ps,
+            dst_indices=host_indices[::ps] // ps,
+            staging_k=self.k_scale_staging,
+            staging_v=self.v_scale_staging,
+            dst_k=self.k_scale_host,
+            dst_v=self.v_scale_host,
+            page_size=1,
+        )
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw
+    ) -> None:
+        MHATokenToKVPoolHost.load_to_device_per_layer(
+            self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw
+        )
+        ps = self.page_size
+        hicache.transfer_hicache_one_layer(
+            k_cache_dst=self.device_k_rows[layer_id],
+            v_cache_dst=self.device_v_rows[layer_id],
+            indices_dst=device_indices[::ps] // ps,
+            k_cache_src=self.k_scale_host[:, layer_id],
+            v_cache_src=self.v_scale_host[:, layer_id],
+            indices_src=host_indices[::ps] // ps,
+            element_dim=self.scale_geometry.page_bytes,
+        )
+
+
+def sglang_mxfp8_host_cls() -> type | None:
+    try:
+        from sglang.srt.mem_cache.pool_host.mha_mxfp8 import (
+            MHATokenToKVPoolMXFP8Host as SGLangMXFP8Host,
+        )
+    except ImportError:
+        return None
+    return SGLangMXFP8Host
+
+
+@dataclass
+class Row:
+    heads: int
+    head_dim: int
+    pages: int
+    direction: str
+    ms: dict[str, float]
+
+    def ratio(self, name: str, to: str = "payload") -> float | None:
+        if name not in self.ms or to not in self.ms:
+            return None
+        return self.ms[name] / self.ms[to]
+
+    def goal(self) -> float:
+        goals = BACKUP_GOALS if self.direction == "backup" else LOAD_GOALS
+        return next(limit for pages, limit in goals if self.pages >= pages)
+
+    def meets_goal(self) -> bool:
+        ours = self.ratio("ours")
+        not_slower = "sglang" not in self.ms or self.ms["ours"] <= self.ms["sglang"]
+        return ours is not None and ours <= self.goal() and not_slower
+
+
+def _time_ms(fn: Callable[[], None], *, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = (
+            torch.cuda.Event(enable_timing=True),
+            torch.cuda.Event(enable_timing=True),
+        )
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _transfers(
+    device_pool, hosts: dict, pages: int, bytes_per_page: int, gen: torch.Generator
+) -> dict[str, dict[str, Callable[[], object]]]:
+    """One backup and one all-layer load per pool, over the same random pages."""
+    device_pages = torch.randperm(device_pool.size // 128, generator=gen) + 1
+    host_pages = torch.randperm(hosts["payload"].page_num, generator=gen)
+    device_tokens = page_token_indices(device_pages[:pages]).cuda()
+    host_tokens = page_token_indices(host_pages[:pages])
+    host_tokens_gpu = host_tokens.cuda()
+    raw_device = torch.empty(pages * bytes_per_page, dtype=torch.uint8, device="cuda")
+    raw_host = torch.empty_like(raw_device, device="cpu", pin_memory=True)
+
+    def backup(host):
+        return lambda: host.backup_from_device_all_layer(
+            device_pool, host_tokens, device_tokens, IO_BACKEND
+        )
+
+    def load(host):
+        def all_layers():
+            for layer in range(LAYERS):
+                host.load_to_device_per_layer(
+                    device_pool, host_tokens_gpu, device_tokens, layer, IO_BACKEND
+                )
+
+        return all_layers
+
+    return {
+        "backup": {
+            **{name: backup(host) for name, host in hosts.items()},
+            "raw": lambda: raw_host.copy_(raw_device, non_blocking=True),
+        },
+        "load": {
+            **{name: load(host) for name, host in hosts.items()},
+            "raw": lambda: raw_device.copy_(raw_host, non_blocking=True),
+        },
+    }
+
+
+def bench_geometry(
+    heads: int,
+    head_dim: int,
+    pages_list: tuple[int, ...],
+    *,
+    warmup: int,
+    repeat: int,
+    progress: Callable[[], None],
+) -> list[Row]:
+    device_pool = build_device_pool(
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=LAYERS,
+        pages=max(pages_list),
+        device="cuda",
+    )
+    classes = {
+        "ours": MHATokenToKVPoolMXFP8Host,
+        "v1": StagedScalesHost,
+        "sglang": sglang_mxfp8_host_cls(),
+        "payload": MHATokenToKVPoolHost,
+    }
+    hosts = {
+        name: build_host_pool(
+            device_pool, cls, host_to_device_ratio=1.0, pin_memory=True
+        )
+        for name, cls in classes.items()
+        if cls is not None
+    }
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    scale_page_bytes = sum(s[0].numel() for s in (info.scales.k, info.scales.v))
+    payload_page_bytes = 2 * 128 * heads * head_dim
+    rows = []
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for pages in pages_list:
+            bytes_per_page = LAYERS * (payload_page_bytes + scale_page_bytes)
+            for direction, fns in _transfers(
+                device_pool, hosts, pages, bytes_per_page, gen
+            ).items():
+                ms = {
+                    name: _time_ms(fn, warmup=warmup, repeat=repeat)
+                    for name, fn in fns.items()
+                }
+                rows.append(Row(heads, head_dim, pages, direction, ms))
+                progress()
+    finally:
+        for host in hosts.values():
+            host.destroy()
+    return rows
+
+
+def run(
+    geometries=GEOMETRIES,
+    pages_list=PAGES,
+    *,
+    warmup: int = 3,
+    repeat: int = 20,
+) -> list[Row]:
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm ships with sglang
+        tqdm = None
+    total = len(geometries) * len(pages_list) * 2
+    bar = tqdm(total=total, desc="bench", unit="case") if tqdm else None
+    rows = []
+    for heads, head_dim in geometries:
+        rows += bench_geometry(
+            heads,
+            head_dim,
+            tuple(pages_list),
+            warmup=warmup,
+            repeat=repeat,
+            progress=(bar.update if bar else lambda: None),
+        )
+        torch.cuda.empty_cache()
+    if bar:
+        bar.close()
+    return rows
+
+
+def table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    names = ["ours", "v1", "sglang", "payload", "raw"]
+    headers = ["KVxD", "pages", "dir", *(f"{n} ms" for n in names)]
+    headers += ["ours/payload", "sglang/payload", "ours/sglang", "goal", "met"]
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    body = []
+    for r in rows:
+        body.append(
+            [
+                f"{r.heads}x{r.head_dim}",
+                str(r.pages),
+                r.direction,
+                *(fmt(r.ms.get(n), ".3f") for n in names),
+                fmt(r.ratio("ours"), ".3f"),
+                fmt(r.ratio("sglang"), ".3f"),
+                fmt(r.ratio("ours", "sglang"), ".3f"),
+                f"<={r.goal()}",
+                "yes" if r.meets_goal() else "NO",
+            ]
+        )
+    return headers, body
+
+
+def to_json(rows: list[Row]) -> str:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return json.dumps(
+        {
+            "device": device,
+            "layers": LAYERS,
+            "page_size": 128,
+            "rows": [
+                {**asdict(r), "goal": r.goal(), "met": r.meets_goal()} for r in rows
+            ],
+        },
+        indent=1,
+    )
