@@ -15,6 +15,8 @@ def test_scale_page_bytes(heads, head_dim, page_bytes):
     # One scale byte per 32 payload bytes.
     assert geometry.payload_bytes_per_token == 32 * geometry.bytes_per_token
     assert geometry.host_bytes(page_num=10, layer_num=3) == 2 * 10 * 3 * page_bytes
+    assert geometry.chunk_bytes == min(page_bytes, 512)
+    assert geometry.chunk_bytes * geometry.chunks_per_page == page_bytes
 
 
 @pytest.mark.parametrize(

@@ -72,14 +72,13 @@ def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
     assert result.scales_restored
     assert result.host_untouched
     assert result.device_untouched
-    page_bytes = host.scale_geometry.page_bytes
-    # The scales went through the all-layer kernel as one element per page:
+    rows = host.scale_geometry.chunk_bytes
+    # The scales went through the all-layer kernel in rows of at most 512 B:
     # one launch for the backup, two for the load (layer 0, then the rest).
-    assert cpu_kernels.calls.count(("all_layer", page_bytes)) == (
-        3 if layers > 1 else 2
-    )
+    assert cpu_kernels.calls.count(("all_layer", rows)) == (3 if layers > 1 else 2)
     assert not any(
-        size == page_bytes for name, size in cpu_kernels.calls if name != "all_layer"
+        name != "all_layer" and size in (rows, host.scale_geometry.page_bytes)
+        for name, size in cpu_kernels.calls
     )
     # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
     assert (host.scale_host == 0xFF).any()
@@ -285,7 +284,7 @@ def test_refuses_when_jit_kernel_unavailable(
     monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="cannot move scale pages of 1024 B"
+        MXFP8HiCacheConfigError, match="cannot move scale rows of 512 B"
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)

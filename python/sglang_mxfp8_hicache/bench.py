@@ -218,8 +218,7 @@ def bench_geometry(
         for name, cls in classes.items()
         if cls is not None
     }
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    scale_page_bytes = sum(s[0].numel() for s in (info.scales.k, info.scales.v))
+    scale_page_bytes = 2 * hosts["ours"].scale_geometry.page_bytes
     payload_page_bytes = 2 * 128 * heads * head_dim
     rows = []
     try:

@@ -154,6 +154,40 @@ def _check_round_trip() -> tuple[str, str]:
     return (OK if result.ok else FAIL), detail
 
 
+def _check_e2e() -> tuple[str, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
+    from sglang_mxfp8_hicache.e2e import SEQ_LENS, run_modes
+
+    verdicts = run_modes()
+    errors = {
+        m: v["error"].splitlines()[-1] for m, v in verdicts.items() if "error" in v
+    }
+    if errors:
+        return FAIL, f"errors: {errors}"
+    ours, sglang, plain = verdicts["ours"], verdicts["sglang"], verdicts["plain"]
+    exact = all(
+        v["payload_restored"]
+        and v["scales_restored"]
+        and v["untouched_pages_kept"]
+        and v["dequantized_max_diff"] == 0.0
+        for v in (ours, sglang)
+    )
+    agree = ours["restored_sha256"] == sglang["restored_sha256"]
+    control_caught = plain["payload_restored"] and not plain["scales_restored"]
+    detail = (
+        f"sequences {list(SEQ_LENS)} via {ours['write_path'].split(' (')[0]}; "
+        f"ours/sglang max |dequant diff| {ours['dequantized_max_diff']}/"
+        f"{sglang['dequantized_max_diff']}, bytes {'identical' if agree else 'DIFFER'}; "
+        f"payload-only pool: scales lost, max diff {plain['dequantized_max_diff']:.3g}"
+        if control_caught
+        else "payload-only control did NOT lose scales"
+    )
+    return (OK if exact and agree and control_caught else FAIL), detail
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     steps = [
         _run_step("sglang version", _check_version),
@@ -163,6 +197,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         _run_step("host sizing (example)", _check_sizing),
         _run_step("GPU round trip", _check_round_trip),
     ]
+    if args.e2e:
+        steps.append(_run_step("e2e: SGLang controller", _check_e2e))
     if args.json:
         print(json.dumps([asdict(s) for s in steps], indent=2))
     else:
@@ -276,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="verify the plugin, dispatch, sizing and (on CUDA) a round trip"
     )
     check.add_argument("--json", action="store_true")
+    check.add_argument(
+        "--e2e",
+        action="store_true",
+        help="also run real MXFP8 KV through SGLang's HiCache controller (GPU)",
+    )
     check.set_defaults(func=cmd_check)
 
     size = sub.add_parser("size", help="host-tier bytes and tokens per rank")

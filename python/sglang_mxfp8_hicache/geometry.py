@@ -25,6 +25,11 @@ MXFP8_SCALE_BLOCK = 32
 
 FP8_ITEMSIZE = 1
 
+SCALE_CHUNK_BYTES = 512
+"""Widest kernel element for scale rows: a wide page row is moved as several
+chunks, so that few pages still keep many of the kernel's workers busy (each
+worker walks all layers of one element in turn)."""
+
 
 @dataclass(frozen=True)
 class MXFP8ScaleGeometry:
@@ -67,6 +72,15 @@ class MXFP8ScaleGeometry:
     def payload_bytes_per_token(self) -> int:
         """fp8 payload bytes of one side per token and layer."""
         return self.head_num * self.head_dim * FP8_ITEMSIZE
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Kernel element size for scale rows: a page row, or a 512 B slice of it."""
+        return min(self.page_bytes, SCALE_CHUNK_BYTES)
+
+    @property
+    def chunks_per_page(self) -> int:
+        return self.page_bytes // self.chunk_bytes
 
     def host_bytes(self, *, page_num: int, layer_num: int) -> int:
         """Host bytes of the K and V scale mirrors for ``page_num`` pages."""

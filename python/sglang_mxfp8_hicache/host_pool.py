@@ -14,9 +14,10 @@ Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128):
     page 1  | row                   |  <------>   | page 1: layer 0 | layer 1 |..|
      ...    +-----------------------+    H2D      +------------------------------+
 
-A page of scales is one kernel element, so SGLang's own JIT all-layer kernel
-(``transfer_hicache_all_layer``, per-layer uint64 pointer tables, row strides in
-bytes) moves the scales with page ids as indices, K and V in one launch:
+A page of scales is a row of the kernel's rows (one row, or 512 B slices of it
+when wider), so SGLang's own JIT all-layer kernel (``transfer_hicache_all_layer``,
+per-layer uint64 pointer tables, row strides in bytes) moves the scales with
+row indices derived from the page ids, K and V in one launch:
 
     D2H  every layer in one launch, right after the payload's staged write-back
     H2D  layer 0's scales with layer 0; every other layer's with layer 1
@@ -229,11 +230,11 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             page_size=buffer_info.page_size,
         )
         if not hicache_jit.can_use_hicache_jit_kernel(
-            element_size=geometry.page_bytes, page_size=1
+            element_size=geometry.chunk_bytes, page_size=1
         ):
             raise refuse(
-                f"the JIT HiCache kernel cannot move scale pages of "
-                f"{geometry.page_bytes} B (see the warning above); run without "
+                f"the JIT HiCache kernel cannot move scale rows of "
+                f"{geometry.chunk_bytes} B (see the warning above); run without "
                 "--enable-hierarchical-cache."
             )
         return geometry
@@ -276,53 +277,77 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 list(scales), device, host_memory_registered=False
             )
 
-        self.k_scale_host_ptrs = host_layers(self.k_scale_host)
-        self.v_scale_host_ptrs = host_layers(self.v_scale_host)
-        self.device_k_scale_ptrs = device_layers(buffer_info.scales.k)
-        self.device_v_scale_ptrs = device_layers(buffer_info.scales.v)
-        self._host_row_stride = self.layer_num * page_bytes
-        self._load_page_ids: tuple[torch.Tensor, ...] = ()
+        host_k, host_v = host_layers(self.k_scale_host), host_layers(self.v_scale_host)
+        device_k = device_layers(buffer_info.scales.k)
+        device_v = device_layers(buffer_info.scales.v)
+        # (host K, host V, device K, device V) pointer tables: all layers for a
+        # backup; layer 0 alone, then the others, for a load.
+        self._all_layers = (host_k, host_v, device_k, device_v)
+        self._load_layer_groups = (
+            tuple(t[:1] for t in self._all_layers),
+            tuple(t[1 : self.target_layer_num] for t in self._all_layers),
+        )
+        self._load_rows: tuple[torch.Tensor, ...] = ()
 
-    def _page_ids(self, indices: torch.Tensor) -> torch.Tensor:
-        """Token indices of whole pages -> page ids, on the GPU the kernel reads them."""
+        # Kernel rows: a page row is `chunks` elements of `chunk_bytes`. Device
+        # row j of page p is element p * chunks + j; on the host a page holds all
+        # layers, so with more than one chunk it is element p * layer_num * chunks + j.
+        geometry = self.scale_geometry
+        chunks = geometry.chunks_per_page
+        self._row_bytes = geometry.chunk_bytes
+        self._device_rows_per_page = chunks
+        if chunks == 1:
+            self._host_rows_per_page = 1
+            self._host_row_stride = self.layer_num * page_bytes
+        else:
+            self._host_rows_per_page = self.layer_num * chunks
+            self._host_row_stride = geometry.chunk_bytes
+        self._chunk_offsets = torch.arange(chunks, dtype=torch.int64, device=device)
+
+    def _kernel_rows(self, indices: torch.Tensor, rows_per_page: int) -> torch.Tensor:
+        """Token indices of whole pages -> kernel element indices, on the GPU."""
         pages = indices[:: self.page_size] // self.page_size
         if pages.device != self._transfer_device:
             # The staged payload write-back keeps host indices on the CPU; a
             # pinned copy reaches the GPU without waiting for the stream.
             pages = pages.pin_memory().to(self._transfer_device, non_blocking=True)
-        return pages
+        if self._device_rows_per_page == 1 and rows_per_page == 1:
+            return pages
+        return (pages[:, None] * rows_per_page + self._chunk_offsets).reshape(-1)
+
+    def _rows(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self._kernel_rows(host_indices, self._host_rows_per_page),
+            self._kernel_rows(device_indices, self._device_rows_per_page),
+        )
 
     def _move_scales(
         self,
-        layers: slice,
+        tables: tuple[torch.Tensor, ...],
         *,
         to_host: bool,
-        host_pages: torch.Tensor,
-        device_pages: torch.Tensor,
+        host_rows: torch.Tensor,
+        device_rows: torch.Tensor,
     ) -> None:
-        """One launch: K and V scale pages of ``layers``, in one direction."""
-        host = (self.k_scale_host_ptrs[layers], self.v_scale_host_ptrs[layers])
-        device = (self.device_k_scale_ptrs[layers], self.device_v_scale_ptrs[layers])
-        (k_src, v_src), (k_dst, v_dst) = (device, host) if to_host else (host, device)
-        src_pages, dst_pages = (
-            (device_pages, host_pages) if to_host else (host_pages, device_pages)
-        )
-        page_bytes = self.scale_geometry.page_bytes
-        src_stride, dst_stride = (
-            (page_bytes, self._host_row_stride)
-            if to_host
-            else (self._host_row_stride, page_bytes)
+        """One launch: K and V scale rows of the layers in ``tables``."""
+        host_k, host_v, device_k, device_v = tables
+        host = (host_k, host_v, host_rows, self._host_row_stride)
+        device = (device_k, device_v, device_rows, self._row_bytes)
+        (k_src, v_src, src_rows, src_stride), (k_dst, v_dst, dst_rows, dst_stride) = (
+            (device, host) if to_host else (host, device)
         )
         hicache_jit.transfer_hicache_all_layer(
             k_ptr_dst=k_dst,
             v_ptr_dst=v_dst,
-            indices_dst=dst_pages,
+            indices_dst=dst_rows,
             k_ptr_src=k_src,
             v_ptr_src=v_src,
-            indices_src=src_pages,
+            indices_src=src_rows,
             kv_cache_src_stride_bytes=src_stride,
             kv_cache_dst_stride_bytes=dst_stride,
-            element_size=page_bytes,
+            element_size=self._row_bytes,
             page_size=1,
         )
 
@@ -339,13 +364,12 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self, device_pool, host_indices, device_indices, io_backend
     ) -> None:
         self._require_kernel_io(io_backend)
-        host_pages = self._page_ids(host_indices)
-        device_pages = self._page_ids(device_indices)
+        host_rows, device_rows = self._rows(host_indices, device_indices)
         super().backup_from_device_all_layer(
             device_pool, host_indices, device_indices, io_backend
         )
         self._move_scales(
-            slice(None), to_host=True, host_pages=host_pages, device_pages=device_pages
+            self._all_layers, to_host=True, host_rows=host_rows, device_rows=device_rows
         )
 
     def load_to_device_per_layer(
@@ -376,23 +400,21 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             is_draft=is_draft,
         )
         if layer_id == 0:
-            self._load_page_ids = (
+            self._load_rows = (
                 host_indices,
                 device_indices,
-                self._page_ids(host_indices),
-                self._page_ids(device_indices),
+                *self._rows(host_indices, device_indices),
             )
-            layers = slice(0, 1)
+            tables = self._load_layer_groups[0]
         elif layer_id == 1 and self.target_layer_num > 1:
-            layers = slice(1, self.target_layer_num)
+            tables = self._load_layer_groups[1]
         else:
             return
-        cached_host, cached_device, host_pages, device_pages = self._load_page_ids
+        cached_host, cached_device, host_rows, device_rows = self._load_rows
         if cached_host is not host_indices or cached_device is not device_indices:
-            host_pages = self._page_ids(host_indices)
-            device_pages = self._page_ids(device_indices)
+            host_rows, device_rows = self._rows(host_indices, device_indices)
         self._move_scales(
-            layers, to_host=False, host_pages=host_pages, device_pages=device_pages
+            tables, to_host=False, host_rows=host_rows, device_rows=device_rows
         )
 
     def destroy(self) -> None:

@@ -1,0 +1,403 @@
+"""End to end on a GPU: real MXFP8 KV through SGLang's own HiCache machinery.
+
+One mode per process, because the plugin hook is process-wide:
+
+    python -m sglang_mxfp8_hicache.e2e --mode ours     # the plugin picks our class
+    python -m sglang_mxfp8_hicache.e2e --mode sglang   # plugin disabled: SGLang's own class
+    python -m sglang_mxfp8_hicache.e2e --mode plain    # payload-only MHATokenToKVPoolHost (0.5.16-0.5.20)
+
+Each builds what the scheduler builds for ``--kv-cache-dtype mxfp8
+--enable-hierarchical-cache`` (a published ServerArgs, a gloo group of size 1,
+SGLang's ReqToTokenPool, MHATokenToKVPoolMXFP8 and paged allocator, then
+``hybrid_pool_assembler.build_kv_only_stack``, the plain-KV strategy's
+builder, which takes the host class from ``get_mha_host_pool_cls``); writes bf16
+K/V through the device pool's ``set_kv_buffer`` (SGLang's fused MXFP8 quantize
+and store); backs the pages up through ``HybridCacheController.write``; moves
+the originals out and overwrites the whole device pool; loads into other pages
+through ``load`` / ``start_loading`` and waits layer by layer on the
+controller's own events. It prints one JSON verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+
+import torch
+
+PAGE = 128
+LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
+# Different lengths, one a whole number of pages, the others not.
+SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
+DEVICE_PAGES = 32
+MODES = ("ours", "sglang", "plain")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def token_scales(scale_buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(T, H, D/32) scale bytes of token ``slots`` in the FA4-interleaved
+    ``(pages, H, 32, P/32, D/32)`` layout: slot -> [page, :, off % 32, off // 32, :]."""
+    page, offset = slots // PAGE, slots % PAGE
+    return _u8(scale_buffer)[page, :, offset % 32, offset // 32, :]
+
+
+def dequantize(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp8 value x 2^(scale - 127), block of 32 along the head dimension."""
+    exponent = scales.to(torch.float32) - 127.0
+    factor = torch.exp2(exponent).repeat_interleave(32, dim=-1)
+    return payload.to(torch.float32) * factor
+
+
+def _publish():
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    # model_path "dummy" skips model resolution, which includes the check that
+    # refuses mxfp8 off Blackwell: everything this run touches is below the
+    # attention kernel. It also skips HiCache flag normalisation, so the
+    # defaults it would pick are given explicitly.
+    server_args = ServerArgs(
+        model_path="dummy",
+        page_size=PAGE,
+        kv_cache_dtype="mxfp8",
+        enable_hierarchical_cache=True,
+        hicache_ratio=2.0,
+        hicache_size=0,
+        hicache_mem_layout="page_first",
+        hicache_io_backend="kernel",
+        hicache_write_policy="write_through",
+        hicache_host_memory_mode="cache",
+        disable_cuda_graph=True,
+    )
+    publish(
+        server_args,
+        role="scheduler",
+        ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0),
+    )
+
+
+def run(mode: str) -> dict:
+    if mode != "ours":
+        from sglang_mxfp8_hicache.plugin import DISABLE_ENV
+
+        os.environ[DISABLE_ENV] = "1"
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import torch.distributed as dist
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8, ReqToTokenPool
+    from sglang.srt.runtime_context import get_serving, reset_context
+
+    if mode == "plain":
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+        # What SGLang 0.5.16-0.5.20 pick for an MXFP8 pool. Patched where the
+        # assembler looks the selector up.
+        hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: MHATokenToKVPoolHost
+
+    _publish()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
+    )
+    group = dist.group.WORLD
+    device = "cuda"
+    req_to_token_pool = ReqToTokenPool(
+        size=len(SEQ_LENS),
+        max_context_len=4096,
+        device=device,
+        enable_memory_saver=False,
+    )
+    kv_pool = MHATokenToKVPoolMXFP8(
+        size=DEVICE_PAGES * PAGE,
+        page_size=PAGE,
+        dtype=torch.float8_e4m3fn,
+        head_num=KV_HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        device=device,
+        enable_memory_saver=False,
+        start_layer=0,
+        end_layer=LAYERS,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        DEVICE_PAGES * PAGE, PAGE, torch.int64, device, kv_pool, need_sort=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=PAGE,
+        tp_cache_group=group,
+        attn_cp_cache_group=group,
+        attn_tp_cache_group=group,
+        pp_cache_group=group,
+    )
+    host_group, controller = hybrid_pool_assembler.build_kv_only_stack(
+        params=params,
+        kv_pool=kv_pool,
+        full_layer_mapping={i: i for i in range(LAYERS)},
+        load_cache_event=threading.Event(),
+        storage_backend=None,
+        use_mla=False,
+        model_name=get_serving().served_model_name,
+    )
+    stream = torch.cuda.current_stream()
+    controller.write_fence_stream = controller.load_fence_stream = stream
+    host_pool = host_group.get_pool(PoolName.KV)
+    verdict = {
+        "mode": mode,
+        "host_class": f"{type(host_pool).__module__}.{type(host_pool).__qualname__}",
+        "seq_lens": list(SEQ_LENS),
+        "layers": LAYERS,
+        "geometry": f"{KV_HEADS}x{HEAD_DIM}",
+    }
+    try:
+        verdict.update(_exercise(kv_pool, allocator, controller, RadixAttention))
+    finally:
+        torch.cuda.synchronize()
+        controller.reset()
+        host_group.destroy()
+        dist.destroy_process_group()
+        reset_context()
+    return verdict
+
+
+def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    layers = [
+        RadixAttention(Q_HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, layer_id=i)
+        for i in range(LAYERS)
+    ]
+    # 1. Real MXFP8 KV, written by SGLang's own quantize-and-store path.
+    seq_slots, tokens, bf16 = [], [], []
+    for length in SEQ_LENS:
+        slots = allocator.alloc(-(-length // PAGE) * PAGE)
+        seq_slots.append(slots)
+        tokens.append(slots[:length])
+    src_slots = torch.cat(seq_slots)
+    written = torch.cat(tokens)
+    write_path = "set_kv_buffer (SGLang's fused MXFP8 quantize and store, Triton)"
+    try:
+        for layer in layers:
+            k, v = (
+                torch.randn(
+                    len(written), KV_HEADS, HEAD_DIM, generator=gen, device="cuda"
+                )
+                .mul_(3.0)
+                .to(torch.bfloat16)
+                for _ in range(2)
+            )
+            kv_pool.set_kv_buffer(layer, written, k, v)
+            bf16.append((k, v))
+    except Exception as exc:  # the fallback the issue allows, with the reason kept
+        write_path = f"random payload and valid scales (set_kv_buffer failed: {exc!r})"
+        bf16 = []
+        for buf in (*kv_pool.k_buffer, *kv_pool.v_buffer):
+            _u8(buf).copy_(
+                torch.randint(
+                    0, 0x7E, buf.shape, dtype=torch.uint8, generator=gen, device="cuda"
+                )
+            )
+        for buf in (*kv_pool.k_scale_buffer, *kv_pool.v_scale_buffer):
+            _u8(buf).copy_(
+                torch.randint(
+                    100, 140, buf.shape, dtype=torch.uint8, generator=gen, device="cuda"
+                )
+            )
+    torch.cuda.synchronize()
+
+    def snapshot(slots: torch.Tensor) -> list[torch.Tensor]:
+        pages = slots[::PAGE] // PAGE
+        return [
+            _u8(buf[i])[index].clone()
+            for i in range(LAYERS)
+            for buf, index in (
+                (kv_pool.k_buffer, slots),
+                (kv_pool.v_buffer, slots),
+                (kv_pool.k_scale_buffer, pages),
+                (kv_pool.v_scale_buffer, pages),
+            )
+        ]
+
+    def dequantized(slots: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            dequantize(payload[i][slots], token_scales(scales[i], slots))
+            for i in range(LAYERS)
+            for payload, scales in (
+                (kv_pool.k_buffer, kv_pool.k_scale_buffer),
+                (kv_pool.v_buffer, kv_pool.v_scale_buffer),
+            )
+        ]
+
+    original = snapshot(src_slots)
+    original_kv = dequantized(written)
+    quant_ok = bool(bf16) and all(
+        _within_mxfp8_error(x.float(), deq, token_scales(scales[i], written))
+        for i in range(LAYERS)
+        for x, deq, scales in (
+            (bf16[i][0], original_kv[2 * i], kv_pool.k_scale_buffer),
+            (bf16[i][1], original_kv[2 * i + 1], kv_pool.v_scale_buffer),
+        )
+    )
+
+    # 2. Write back through the controller (write-through: submitted at once).
+    host_indices = [
+        controller.write(slots, node_id=n) for n, slots in enumerate(seq_slots)
+    ]
+    if any(h is None for h in host_indices):
+        raise RuntimeError("the host pool had no room for the write-back")
+    while controller.ack_write_queue:
+        controller.ack_write_queue.pop(0).finish_event.synchronize()
+
+    # 3. Other device pages for the load, then the originals go and every byte
+    #    of the device pool is overwritten.
+    dst_seq_slots = [allocator.alloc(len(s)) for s in seq_slots]
+    dst_slots = torch.cat(dst_seq_slots)
+    allocator.free(src_slots)
+    for buf in (
+        *kv_pool.k_buffer,
+        *kv_pool.v_buffer,
+        *kv_pool.k_scale_buffer,
+        *kv_pool.v_scale_buffer,
+    ):
+        _u8(buf).copy_(
+            torch.randint(
+                0, 256, buf.shape, dtype=torch.uint8, generator=gen, device="cuda"
+            )
+        )
+    torch.cuda.synchronize()
+    device_pages = kv_pool.k_buffer[0].shape[0] // PAGE
+    untouched_pages = torch.ones(device_pages, dtype=torch.bool, device="cuda")
+    untouched_pages[dst_slots[::PAGE] // PAGE] = False
+    before_load = [
+        _u8(b).reshape(device_pages, -1)[untouched_pages].clone()
+        for b in _all_buffers(kv_pool)
+    ]
+
+    # 4. Load through the controller, layer by layer, on its completion events.
+    for host, dst in zip(host_indices, dst_seq_slots, strict=True):
+        if controller.load(host, node_id=99, device_indices=dst) is None:
+            raise RuntimeError("the controller refused the load")
+    producer = controller.start_loading()
+    controller.layer_done_counter.set_consumer(producer)
+    events = controller.layer_done_counter.events[producer].load_events
+    for i in range(LAYERS):
+        kv_pool.get_key_buffer(
+            i
+        )  # the consumer's wait: current stream waits on layer i
+        events[i].synchronize()
+    while controller.ack_load_queue:
+        controller.ack_load_queue.pop(0).finish_event.synchronize()
+    controller.layer_done_counter.set_consumer(-1)
+    torch.cuda.synchronize()
+
+    # 5. Verdict.
+    restored = snapshot(dst_slots)
+    pairs = list(zip(restored, original, strict=True))
+    payload_equal = all(
+        torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 < 2
+    )
+    scales_equal = all(
+        torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 >= 2
+    )
+    dst_written = torch.cat(
+        [d[: len(t)] for d, t in zip(dst_seq_slots, tokens, strict=True)]
+    )
+    restored_kv = dequantized(dst_written)
+    diffs = [
+        (a - b).abs().nan_to_num(nan=float("inf")).max().item()
+        for a, b in zip(restored_kv, original_kv, strict=True)
+    ]
+    after_load = [
+        _u8(b).reshape(device_pages, -1)[untouched_pages] for b in _all_buffers(kv_pool)
+    ]
+    untouched = all(
+        torch.equal(a, b) for a, b in zip(after_load, before_load, strict=True)
+    )
+    digest = hashlib.sha256()
+    for tensor in restored:
+        digest.update(tensor.cpu().numpy().tobytes())
+    for slots in (*seq_slots, *dst_seq_slots):
+        allocator.free(slots)
+    for host in host_indices:
+        controller.evict_host(host)
+    return {
+        "write_path": write_path,
+        "quantized_within_mxfp8_error": quant_ok,
+        "payload_restored": payload_equal,
+        "scales_restored": scales_equal,
+        "dequantized_max_diff": max(diffs),
+        "untouched_pages_kept": untouched,
+        "restored_sha256": digest.hexdigest(),
+    }
+
+
+def _all_buffers(kv_pool) -> list[torch.Tensor]:
+    return [
+        *kv_pool.k_buffer,
+        *kv_pool.v_buffer,
+        *kv_pool.k_scale_buffer,
+        *kv_pool.v_scale_buffer,
+    ]
+
+
+def _within_mxfp8_error(
+    x: torch.Tensor, deq: torch.Tensor, scales: torch.Tensor
+) -> bool:
+    """|x - deq| within half an e4m3 step: 2^-4 relative, 2^-10 of the block scale near 0."""
+    block = torch.exp2(scales.to(torch.float32) - 127.0).repeat_interleave(32, dim=-1)
+    bound = x.abs() * 2.0**-4 + block * 2.0**-10
+    return bool(((x - deq).abs() <= bound).all())
+
+
+def run_modes(modes=MODES, timeout: float = 600) -> dict[str, dict]:
+    """Each mode in a fresh process; the verdicts by mode."""
+    import subprocess
+
+    verdicts = {}
+    for mode in modes:
+        done = subprocess.run(
+            [sys.executable, "-m", "sglang_mxfp8_hicache.e2e", "--mode", mode],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode:
+            verdicts[mode] = {"mode": mode, "error": done.stderr.strip()[-2000:]}
+        else:
+            verdicts[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    return verdicts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=MODES, default="ours")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"mode": args.mode, "skipped": "no CUDA GPU"}))
+        return
+    print(json.dumps(run(args.mode)))
+
+
+if __name__ == "__main__":
+    main()
