@@ -50,6 +50,7 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
 
     def _init_scale_transfer(self, buffer_info) -> None:
         super()._init_scale_transfer(buffer_info)
+        self.device_k_scale_ptrs, self.device_v_scale_ptrs = self._all_layers[2:]
         page_bytes = self.scale_geometry.page_bytes
         self.k_scale_staging, self.v_scale_staging = torch.empty(
             (2, min(self.page_num, 64), self.layer_num, page_bytes),
