@@ -302,18 +302,30 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         else:
             self._host_rows_per_page = self.layer_num * chunks
             self._host_row_stride = geometry.chunk_bytes
-        self._chunk_offsets = torch.arange(chunks, dtype=torch.int64, device=device)
+        # On both sides: host indices of a backup arrive on the CPU, where the
+        # row arithmetic costs no kernel launch.
+        self._chunk_offsets_cpu = torch.arange(chunks, dtype=torch.int64)
+        self._chunk_offsets = self._chunk_offsets_cpu.to(device)
 
     def _kernel_rows(self, indices: torch.Tensor, rows_per_page: int) -> torch.Tensor:
-        """Token indices of whole pages -> kernel element indices, on the GPU."""
-        pages = indices[:: self.page_size] // self.page_size
-        if pages.device != self._transfer_device:
-            # The staged payload write-back keeps host indices on the CPU; a
-            # pinned copy reaches the GPU without waiting for the stream.
-            pages = pages.pin_memory().to(self._transfer_device, non_blocking=True)
-        if self._device_rows_per_page == 1 and rows_per_page == 1:
-            return pages
-        return (pages[:, None] * rows_per_page + self._chunk_offsets).reshape(-1)
+        """Token indices of whole pages -> kernel element indices, on the GPU.
+
+        Computed where the indices are (the staged payload write-back keeps a
+        backup's host indices on the CPU), then a pinned copy takes them to the
+        GPU without waiting for the stream.
+        """
+        rows = indices[:: self.page_size] // self.page_size
+        if self._device_rows_per_page > 1 or rows_per_page > 1:
+            # page * rows_per_page + chunk, one fused op.
+            offsets = (
+                self._chunk_offsets_cpu
+                if rows.device.type == "cpu"
+                else self._chunk_offsets
+            )
+            rows = torch.add(offsets, rows[:, None], alpha=rows_per_page).view(-1)
+        if rows.device != self._transfer_device:
+            rows = rows.pin_memory().to(self._transfer_device, non_blocking=True)
+        return rows
 
     def _rows(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor
