@@ -182,21 +182,9 @@ def mxfp8_pool():
 
 
 def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
-    pool = build_device_pool(
-        head_num=2, head_dim=128, layer_num=2, pages=2, device="cpu"
-    )
     # A page size other than 128 gives SGLang's per-token scale layout.
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
-
-    pool = MHATokenToKVPoolMXFP8(
-        size=256,
-        page_size=64,
-        dtype=torch.float8_e4m3fn,
-        head_num=2,
-        head_dim=128,
-        layer_num=2,
-        device="cpu",
-        enable_memory_saver=False,
+    pool = build_device_pool(
+        head_num=2, head_dim=128, layer_num=2, pages=4, page_size=64, device="cpu"
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="set --page-size 128"):
@@ -292,18 +280,8 @@ def test_refuses_when_jit_kernel_unavailable(
 
 
 def test_refuses_asymmetric_heads(cpu_kernels, no_allocation):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
-
-    pool = MHATokenToKVPoolMXFP8(
-        size=256,
-        page_size=128,
-        dtype=torch.float8_e4m3fn,
-        head_num=2,
-        head_dim=128,
-        layer_num=2,
-        device="cpu",
-        enable_memory_saver=False,
-        v_head_dim=64,
+    pool = build_device_pool(
+        head_num=2, head_dim=128, v_head_dim=64, layer_num=2, pages=2, device="cpu"
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="asymmetric"):

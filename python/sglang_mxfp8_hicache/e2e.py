@@ -30,7 +30,9 @@ import threading
 
 import torch
 
-PAGE = 128
+from sglang_mxfp8_hicache.selfcheck import PAGE_SIZE as PAGE
+from sglang_mxfp8_hicache.selfcheck import build_device_pool
+
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 # Different lengths, one a whole number of pages, the others not.
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
@@ -104,7 +106,7 @@ def run(mode: str) -> dict:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.runtime_context import get_serving, reset_context
 
     if mode == "plain":
@@ -126,17 +128,12 @@ def run(mode: str) -> dict:
         device=device,
         enable_memory_saver=False,
     )
-    kv_pool = MHATokenToKVPoolMXFP8(
-        size=DEVICE_PAGES * PAGE,
-        page_size=PAGE,
-        dtype=torch.float8_e4m3fn,
+    kv_pool = build_device_pool(
         head_num=KV_HEADS,
         head_dim=HEAD_DIM,
         layer_num=LAYERS,
+        pages=DEVICE_PAGES,
         device=device,
-        enable_memory_saver=False,
-        start_layer=0,
-        end_layer=LAYERS,
     )
     allocator = PagedTokenToKVPoolAllocator(
         DEVICE_PAGES * PAGE, PAGE, torch.int64, device, kv_pool, need_sort=False

@@ -143,12 +143,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         logger.info(
             "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
             "(%d B per page and layer for each of K and V), moved by the JIT "
-            "all-layer kernel, one page per element.",
+            "all-layer kernel in rows of %d B.",
             pool_label,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
             scale_bytes / 1e9,
             self.scale_geometry.page_bytes,
+            self.scale_geometry.chunk_bytes,
         )
 
     @staticmethod

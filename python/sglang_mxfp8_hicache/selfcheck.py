@@ -44,17 +44,25 @@ class RoundTripResult:
 
 
 def build_device_pool(
-    *, head_num: int, head_dim: int, layer_num: int, pages: int, device: str
+    *,
+    head_num: int,
+    head_dim: int,
+    layer_num: int,
+    pages: int,
+    device: str,
+    page_size: int = PAGE_SIZE,
+    v_head_dim: int | None = None,
 ) -> MHATokenToKVPoolMXFP8:
     """SGLang's own MXFP8 device pool; page 0 is its padding page."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
 
     return MHATokenToKVPoolMXFP8(
-        size=pages * PAGE_SIZE,
-        page_size=PAGE_SIZE,
+        size=pages * page_size,
+        page_size=page_size,
         dtype=torch.float8_e4m3fn,
         head_num=head_num,
         head_dim=head_dim,
+        v_head_dim=v_head_dim,
         layer_num=layer_num,
         device=device,
         enable_memory_saver=False,
