@@ -18,6 +18,7 @@ from sglang_mxfp8_hicache.host_pool import (
 from sglang_mxfp8_hicache.selfcheck import (
     build_device_pool,
     build_host_pool,
+    device_buffers,
     page_token_indices,
     round_trip,
 )
@@ -34,14 +35,7 @@ def make_pools(
         pages=2 * pages + 1,
         device="cpu",
     )
-    kernels.pointers.register(
-        [
-            *device_pool.k_buffer,
-            *device_pool.v_buffer,
-            *device_pool.k_scale_buffer,
-            *device_pool.v_scale_buffer,
-        ]
-    )
+    kernels.pointers.register(device_buffers(device_pool))
     host = build_host_pool(
         device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=False
     )

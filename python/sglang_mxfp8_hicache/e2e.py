@@ -31,7 +31,11 @@ import threading
 import torch
 
 from sglang_mxfp8_hicache.selfcheck import PAGE_SIZE as PAGE
-from sglang_mxfp8_hicache.selfcheck import build_device_pool
+from sglang_mxfp8_hicache.selfcheck import (
+    build_device_pool,
+    device_buffers,
+    fill_random,
+)
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 # Different lengths, one a whole number of pages, the others not.
@@ -270,24 +274,14 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
     dst_seq_slots = [allocator.alloc(len(s)) for s in seq_slots]
     dst_slots = torch.cat(dst_seq_slots)
     allocator.free(src_slots)
-    for buf in (
-        *kv_pool.k_buffer,
-        *kv_pool.v_buffer,
-        *kv_pool.k_scale_buffer,
-        *kv_pool.v_scale_buffer,
-    ):
-        _u8(buf).copy_(
-            torch.randint(
-                0, 256, buf.shape, dtype=torch.uint8, generator=gen, device="cuda"
-            )
-        )
+    fill_random(device_buffers(kv_pool), gen)
     torch.cuda.synchronize()
     device_pages = kv_pool.k_buffer[0].shape[0] // PAGE
     untouched_pages = torch.ones(device_pages, dtype=torch.bool, device="cuda")
     untouched_pages[dst_slots[::PAGE] // PAGE] = False
     before_load = [
         _u8(b).reshape(device_pages, -1)[untouched_pages].clone()
-        for b in _all_buffers(kv_pool)
+        for b in device_buffers(kv_pool)
     ]
 
     # 4. Load through the controller, layer by layer, on its completion events.
@@ -325,7 +319,8 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
         for a, b in zip(restored_kv, original_kv, strict=True)
     ]
     after_load = [
-        _u8(b).reshape(device_pages, -1)[untouched_pages] for b in _all_buffers(kv_pool)
+        _u8(b).reshape(device_pages, -1)[untouched_pages]
+        for b in device_buffers(kv_pool)
     ]
     untouched = all(
         torch.equal(a, b) for a, b in zip(after_load, before_load, strict=True)
@@ -346,15 +341,6 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
         "untouched_pages_kept": untouched,
         "restored_sha256": digest.hexdigest(),
     }
-
-
-def _all_buffers(kv_pool) -> list[torch.Tensor]:
-    return [
-        *kv_pool.k_buffer,
-        *kv_pool.v_buffer,
-        *kv_pool.k_scale_buffer,
-        *kv_pool.v_scale_buffer,
-    ]
 
 
 def _within_mxfp8_error(

@@ -90,11 +90,12 @@ def build_host_pool(
     )
 
 
-def _device_tensors(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
+def device_buffers(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
+    """Every per-layer payload and scale tensor of the device pool."""
     return [*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer]
 
 
-def _fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
+def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
     for tensor in tensors:
         raw = tensor.view(torch.uint8)
         raw.copy_(
@@ -145,15 +146,15 @@ def round_trip(
         raise ValueError(
             f"{pages} pages do not fit {device_page_num // 2} device / {host_page_num} host pages"
         )
-    device_tensors = _device_tensors(device_pool)
+    device_tensors = device_buffers(device_pool)
     host_tensors = [host_pool.kv_buffer]
     scale_host = getattr(host_pool, "scale_host", None)
     if scale_host is not None:
         host_tensors.append(scale_host)
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    _fill_random(device_tensors, gen)
-    _fill_random(host_tensors, torch.Generator().manual_seed(seed + 1))
+    fill_random(device_tensors, gen)
+    fill_random(host_tensors, torch.Generator().manual_seed(seed + 1))
 
     perm = torch.randperm(device_page_num, generator=cpu) + 1
     src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
@@ -175,7 +176,7 @@ def round_trip(
 
     host_untouched = _host_untouched(host_pool, host_tensors, host_before, host_pages)
 
-    _fill_random(device_tensors, gen)
+    fill_random(device_tensors, gen)
     clobbered = _device_pages(device_pool, device_tensors)
     host_tokens_dev = host_tokens.to(device)
     _sync(device)
