@@ -173,6 +173,10 @@ def _check_e2e() -> tuple[str, str]:
         and v["scales_restored"]
         and v["untouched_pages_kept"]
         and v["dequantized_max_diff"] == 0.0
+        and (
+            v["quantized_within_mxfp8_error"]
+            or not v["write_path"].startswith("set_kv")
+        )
         for v in (ours, sglang)
     )
     agree = ours["restored_sha256"] == sglang["restored_sha256"]

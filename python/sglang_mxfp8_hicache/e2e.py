@@ -252,7 +252,7 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
     original = snapshot(src_slots)
     original_kv = dequantized(written)
     quant_ok = bool(bf16) and all(
-        _within_mxfp8_error(x.float(), deq, token_scales(scales[i], written))
+        within_mxfp8_error(x.float(), deq, token_scales(scales[i], written))
         for i in range(LAYERS)
         for x, deq, scales in (
             (bf16[i][0], original_kv[2 * i], kv_pool.k_scale_buffer),
@@ -334,7 +334,7 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
         controller.evict_host(host)
     return {
         "write_path": write_path,
-        "quantized_within_mxfp8_error": quant_ok,
+        "quantizedwithin_mxfp8_error": quant_ok,
         "payload_restored": payload_equal,
         "scales_restored": scales_equal,
         "dequantized_max_diff": max(diffs),
@@ -343,7 +343,7 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
     }
 
 
-def _within_mxfp8_error(
+def within_mxfp8_error(
     x: torch.Tensor, deq: torch.Tensor, scales: torch.Tensor
 ) -> bool:
     """|x - deq| within half an e4m3 step: 2^-4 relative, 2^-10 of the block scale near 0."""
