@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.selfcheck import (
     IO_BACKEND,
+    PAGE_SIZE,
     build_device_pool,
     build_host_pool,
     page_token_indices,
@@ -156,7 +157,7 @@ def _transfers(
     device_pool, hosts: dict, pages: int, bytes_per_page: int, gen: torch.Generator
 ) -> dict[str, dict[str, Callable[[], object]]]:
     """One backup and one all-layer load per pool, over the same random pages."""
-    device_pages = torch.randperm(device_pool.size // 128, generator=gen) + 1
+    device_pages = torch.randperm(device_pool.size // PAGE_SIZE, generator=gen) + 1
     host_pages = torch.randperm(hosts["payload"].page_num, generator=gen)
     device_tokens = page_token_indices(device_pages[:pages]).cuda()
     host_tokens = page_token_indices(host_pages[:pages])
@@ -219,13 +220,14 @@ def bench_geometry(
         for name, cls in classes.items()
         if cls is not None
     }
-    scale_page_bytes = 2 * hosts["ours"].scale_geometry.page_bytes
-    payload_page_bytes = 2 * 128 * heads * head_dim
+    geometry = hosts["ours"].scale_geometry
+    # K and V, payload and scales, every layer: what one page moves.
+    bytes_per_token = geometry.payload_bytes_per_token + geometry.bytes_per_token
+    bytes_per_page = 2 * LAYERS * PAGE_SIZE * bytes_per_token
     rows = []
     try:
         gen = torch.Generator().manual_seed(0)
         for pages in pages_list:
-            bytes_per_page = LAYERS * (payload_page_bytes + scale_page_bytes)
             for direction, fns in _transfers(
                 device_pool, hosts, pages, bytes_per_page, gen
             ).items():
@@ -302,7 +304,7 @@ def to_json(rows: list[Row]) -> str:
         {
             "device": device,
             "layers": LAYERS,
-            "page_size": 128,
+            "page_size": PAGE_SIZE,
             "rows": [
                 {**asdict(r), "goal": r.goal(), "met": r.meets_goal()} for r in rows
             ],

@@ -140,7 +140,7 @@ def run(mode: str) -> dict:
         device=device,
     )
     allocator = PagedTokenToKVPoolAllocator(
-        DEVICE_PAGES * PAGE, PAGE, torch.int64, device, kv_pool, need_sort=False
+        kv_pool.size, PAGE, torch.int64, device, kv_pool, need_sort=False
     )
     params = CacheInitParams(
         disable=False,
