@@ -1,22 +1,47 @@
 import pytest
+import torch
 
 from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
 from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 
 
 @pytest.mark.parametrize(
-    "heads, head_dim, page_bytes",
-    [(1, 128, 512), (8, 128, 4096), (32, 128, 16384), (8, 256, 8192), (2, 64, 512)],
+    "heads, head_dim, page_bytes, row_tokens",
+    [
+        (1, 128, 512, 32),
+        (8, 128, 4096, 4),
+        (32, 128, 16384, 1),
+        (8, 256, 8192, 2),
+        (2, 64, 512, 32),
+        (64, 128, 32768, 1),
+    ],
 )
-def test_scale_page_bytes(heads, head_dim, page_bytes):
+def test_scale_page_bytes(heads, head_dim, page_bytes, row_tokens):
     geometry = MXFP8ScaleGeometry(head_num=heads, head_dim=head_dim, page_size=128)
     assert geometry.page_bytes == page_bytes
     assert geometry.bytes_per_token * 128 == page_bytes
     # One scale byte per 32 payload bytes.
     assert geometry.payload_bytes_per_token == 32 * geometry.bytes_per_token
     assert geometry.host_bytes(page_num=10, layer_num=3) == 2 * 10 * 3 * page_bytes
-    assert geometry.chunk_bytes == min(page_bytes, 512)
-    assert geometry.chunk_bytes * geometry.chunks_per_page == page_bytes
+    # Rows are the fewest tokens whose scales fill a multiple of 128 B.
+    assert geometry.row_tokens == row_tokens
+    assert geometry.row_bytes == max(128, geometry.bytes_per_token)
+    assert geometry.row_bytes * geometry.rows_per_page == page_bytes
+
+
+def test_host_page_layer_is_device_byte_order():
+    geometry = MXFP8ScaleGeometry(head_num=8, head_dim=128, page_size=128)
+    layers = 3
+    device = torch.randint(0, 256, (layers, 5, geometry.page_bytes), dtype=torch.uint8)
+    # What the kernel writes: row j of layer l to host (page, j, l).
+    host = (
+        device.view(layers, 5, geometry.rows_per_page, geometry.row_bytes)
+        .permute(1, 2, 0, 3)
+        .contiguous()
+    )
+    for layer in range(layers):
+        assert torch.equal(geometry.host_page_layer(host, layer), device[layer])
+        assert torch.equal(geometry.host_page_layer(host[2], layer), device[layer, 2])
 
 
 @pytest.mark.parametrize(

@@ -66,13 +66,14 @@ def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
     assert result.scales_restored
     assert result.host_untouched
     assert result.device_untouched
-    rows = host.scale_geometry.chunk_bytes
-    # The scales went through the all-layer kernel in rows of at most 512 B:
-    # one launch for the backup, two for the load (layer 0, then the rest).
+    rows = host.scale_geometry.row_bytes
+    # The scales went through the all-layer kernel in rows of 128 B: one launch
+    # for the backup, two for the load (layer 0, then the rest).
     assert cpu_kernels.calls.count(("all_layer", rows)) == (3 if layers > 1 else 2)
+    # No other kernel moved scale-sized rows (payload rows may share a size).
+    scale_sizes = {rows, host.scale_geometry.page_bytes} - {heads * head_dim}
     assert not any(
-        name != "all_layer" and size in (rows, host.scale_geometry.page_bytes)
-        for name, size in cpu_kernels.calls
+        name != "all_layer" and size in scale_sizes for name, size in cpu_kernels.calls
     )
     # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
     assert (host.scale_host == 0xFF).any()
@@ -103,7 +104,8 @@ def test_sizing_counts_scales(cpu_kernels):
     assert host.size_per_token == payload + scales
     assert host.get_ksize_per_token() == (payload + scales) // 2
     assert host.scale_host.numel() == host.page_num * 4 * 2 * 8 * 128 * 4
-    assert host.scale_host.shape == (2, host.page_num, 4, 8 * 128 * 4)
+    # Rows of 4 tokens (4 * 32 B), the 4 layers of a row side by side.
+    assert host.scale_host.shape == (2, host.page_num, 32, 4, 128)
 
 
 @pytest.mark.parametrize(
@@ -266,7 +268,7 @@ def test_refuses_when_jit_kernel_unavailable(
     monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="cannot move scale rows of 512 B"
+        MXFP8HiCacheConfigError, match="cannot move scale rows of 128 B"
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -391,6 +393,7 @@ def test_load_with_new_index_tensors_per_layer(cpu_kernels):
             (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
         ):
             rows = scales[layer].view(torch.uint8).reshape(scales[layer].shape[0], -1)
-            assert torch.equal(
-                rows[device_pages], host.scale_host[side, host_pages, layer]
+            host_rows = host.scale_geometry.host_page_layer(
+                host.scale_host[side, host_pages], layer
             )
+            assert torch.equal(rows[device_pages], host_rows)

@@ -5,13 +5,12 @@ pages, both directions are timed with CUDA events (warm-up, then the median of
 ``repeat`` runs) for:
 
 - ``ours``: :class:`MHATokenToKVPoolMXFP8Host`;
-- ``v1``: ours as first shipped: scales through the staged write-back (D2H) and
-  one single-layer gather per layer (H2D), kept here to measure what the
-  all-layer kernel changed;
 - ``sglang``: SGLang's own MXFP8 host pool, when the installed SGLang has one;
 - ``payload``: SGLang's ``MHATokenToKVPoolHost`` on the same device pool, which
   moves the fp8 payload only (the floor any MXFP8 pool is compared with);
-- ``raw``: one pinned ``copy_`` of as many bytes as payload plus scales.
+- ``raw``: one pinned ``copy_`` of as many bytes as payload plus scales;
+- on request, the ablations in :data:`ABLATIONS`: ours with one design choice
+  undone, to measure what that choice is worth.
 
 A backup is one ``backup_from_device_all_layer`` call with CPU host indices, as
 SGLang's controller hands them to a pool with the staged write-back; a load is
@@ -47,12 +46,16 @@ LOAD_GOALS = ((64, 1.05), (16, 1.25), (1, 1.5))
 
 
 class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
-    """Ours as first shipped, for the ablation only: staged D2H, per-layer H2D."""
+    """Ours as first shipped: staged D2H, one single-layer gather per layer for H2D."""
 
     def _init_scale_transfer(self, buffer_info) -> None:
         super()._init_scale_transfer(buffer_info)
         self.device_k_scale_ptrs, self.device_v_scale_ptrs = self._all_layers[2:]
         page_bytes = self.scale_geometry.page_bytes
+        # The first version's host layout: one page row per layer.
+        self.k_pages_host, self.v_pages_host = self.scale_host.view(
+            2, self.page_num, self.layer_num, page_bytes
+        )
         self.k_scale_staging, self.v_scale_staging = torch.empty(
             (2, min(self.page_num, 64), self.layer_num, page_bytes),
             dtype=torch.uint8,
@@ -79,8 +82,8 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
             dst_indices=host_indices[::ps] // ps,
             staging_k=self.k_scale_staging,
             staging_v=self.v_scale_staging,
-            dst_k=self.k_scale_host,
-            dst_v=self.v_scale_host,
+            dst_k=self.k_pages_host,
+            dst_v=self.v_pages_host,
             page_size=1,
         )
 
@@ -95,11 +98,30 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
             k_cache_dst=self.device_k_rows[layer_id],
             v_cache_dst=self.device_v_rows[layer_id],
             indices_dst=device_indices[::ps] // ps,
-            k_cache_src=self.k_scale_host[:, layer_id],
-            v_cache_src=self.v_scale_host[:, layer_id],
+            k_cache_src=self.k_pages_host[:, layer_id],
+            v_cache_src=self.v_pages_host[:, layer_id],
             indices_src=host_indices[::ps] // ps,
             element_dim=self.scale_geometry.page_bytes,
         )
+
+
+class DefaultQuotaHost(MHATokenToKVPoolMXFP8Host):
+    """Ours with SGLang's default of 2 thread blocks per scale launch."""
+
+    scale_block_quota = hicache.DEFAULT_BLOCK_QUOTA
+
+
+class WideRowsHost(MHATokenToKVPoolMXFP8Host):
+    """Ours with scale rows of at least 512 B instead of 128 B."""
+
+    scale_min_row_bytes = 512
+
+
+ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
+    "v1": StagedScalesHost,
+    "quota2": DefaultQuotaHost,
+    "rows512": WideRowsHost,
+}
 
 
 def sglang_mxfp8_host_cls() -> type | None:
@@ -191,11 +213,23 @@ def _transfers(
     }
 
 
+def host_classes(ablations: tuple[str, ...] = ()) -> dict[str, type]:
+    """The pools of one run, by column name, in table order."""
+    classes = {
+        "ours": MHATokenToKVPoolMXFP8Host,
+        **{name: ABLATIONS[name] for name in ablations},
+        "sglang": sglang_mxfp8_host_cls(),
+        "payload": MHATokenToKVPoolHost,
+    }
+    return {name: cls for name, cls in classes.items() if cls is not None}
+
+
 def bench_geometry(
     heads: int,
     head_dim: int,
     pages_list: tuple[int, ...],
     *,
+    classes: dict[str, type],
     warmup: int,
     repeat: int,
     progress: Callable[[], None],
@@ -207,18 +241,11 @@ def bench_geometry(
         pages=max(pages_list),
         device="cuda",
     )
-    classes = {
-        "ours": MHATokenToKVPoolMXFP8Host,
-        "v1": StagedScalesHost,
-        "sglang": sglang_mxfp8_host_cls(),
-        "payload": MHATokenToKVPoolHost,
-    }
     hosts = {
         name: build_host_pool(
             device_pool, cls, host_to_device_ratio=1.0, pin_memory=True
         )
         for name, cls in classes.items()
-        if cls is not None
     }
     geometry = hosts["ours"].scale_geometry
     # K and V, payload and scales, every layer: what one page moves.
@@ -247,9 +274,11 @@ def run(
     geometries=GEOMETRIES,
     pages_list=PAGES,
     *,
+    classes: dict[str, type] | None = None,
     warmup: int = 3,
     repeat: int = 20,
 ) -> list[Row]:
+    classes = classes or host_classes()
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm ships with sglang
@@ -262,6 +291,7 @@ def run(
             heads,
             head_dim,
             tuple(pages_list),
+            classes=classes,
             warmup=warmup,
             repeat=repeat,
             progress=(bar.update if bar else lambda: None),
@@ -273,7 +303,7 @@ def run(
 
 
 def table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
-    names = ["ours", "v1", "sglang", "payload", "raw"]
+    names = list(dict.fromkeys(name for r in rows for name in r.ms))
     headers = ["KVxD", "pages", "dir", *(f"{n} ms" for n in names)]
     headers += ["ours/payload", "sglang/payload", "ours/sglang", "goal", "met"]
 

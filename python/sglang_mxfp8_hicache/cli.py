@@ -292,7 +292,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tuple(int(x) for x in g.split("x")) for g in args.geometries.split(",")
     )
     pages = tuple(int(p) for p in args.pages.split(","))
-    rows = bench.run(geometries, pages, warmup=args.warmup, repeat=args.repeat)
+    ablations = tuple(name for name in args.ablations.split(",") if name)
+    unknown = sorted(set(ablations) - set(bench.ABLATIONS))
+    if unknown:
+        print(
+            f"bench: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}",
+            file=sys.stderr,
+        )
+        return 2
+    rows = bench.run(
+        geometries,
+        pages,
+        classes=bench.host_classes(ablations),
+        warmup=args.warmup,
+        repeat=args.repeat,
+    )
     print(
         f"{torch.cuda.get_device_name()}, {bench.LAYERS} layers, page_size 128, "
         f"median of {args.repeat} runs (CUDA events)"
@@ -352,6 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV heads x head_dim, comma separated",
     )
     bench.add_argument("--pages", default="1,4,16,64,256,1024")
+    bench.add_argument(
+        "--ablations",
+        default="",
+        help="extra columns: ours with one choice undone (v1, quota2, rows512)",
+    )
     bench.add_argument("--warmup", type=int, default=3)
     bench.add_argument("--repeat", type=int, default=20)
     bench.add_argument("--json-out", help="write the rows as JSON here")

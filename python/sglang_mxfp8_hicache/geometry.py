@@ -25,10 +25,10 @@ MXFP8_SCALE_BLOCK = 32
 
 FP8_ITEMSIZE = 1
 
-SCALE_CHUNK_BYTES = 512
-"""Widest kernel element for scale rows: a wide page row is moved as several
-chunks, so that few pages still keep many of the kernel's workers busy (each
-worker walks all layers of one element in turn)."""
+SCALE_ROW_BYTES = 128
+"""Narrowest kernel row of scales: SGLang's JIT transfer kernel copies rows in
+128 B groups on CUDA. Narrow rows keep many of the kernel's workers busy even
+for one page (each worker walks every layer of its row in turn)."""
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,20 @@ class MXFP8ScaleGeometry:
     head_dim: int
     page_size: int
     sf_block: int = MXFP8_SCALE_BLOCK
+    min_row_bytes: int = SCALE_ROW_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("head_num", "head_dim", "page_size", "sf_block"):
+        for name in ("head_num", "head_dim", "page_size", "sf_block", "min_row_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.head_dim % self.sf_block:
             raise ValueError(
                 f"MXFP8 needs head_dim divisible by {self.sf_block}, got {self.head_dim}"
+            )
+        if self.page_size % self.row_tokens:
+            raise ValueError(
+                f"page_size {self.page_size} is not a multiple of the {self.row_tokens} "
+                "tokens of one scale row"
             )
 
     @property
@@ -74,13 +80,29 @@ class MXFP8ScaleGeometry:
         return self.head_num * self.head_dim * FP8_ITEMSIZE
 
     @property
-    def chunk_bytes(self) -> int:
-        """Kernel element size for scale rows: a page row, or a 512 B slice of it."""
-        return min(self.page_bytes, SCALE_CHUNK_BYTES)
+    def row_tokens(self) -> int:
+        """Tokens whose scales make one kernel row: the fewest consecutive tokens
+        of a page whose scale bytes are a multiple of ``min_row_bytes``."""
+        tokens = self.min_row_bytes // math.gcd(self.bytes_per_token, self.min_row_bytes)
+        return min(tokens, self.page_size)
 
     @property
-    def chunks_per_page(self) -> int:
-        return self.page_bytes // self.chunk_bytes
+    def row_bytes(self) -> int:
+        """Kernel element size for scales: ``row_tokens`` tokens of one page and layer."""
+        return self.row_tokens * self.bytes_per_token
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_size // self.row_tokens
+
+    def host_page_layer(self, host_pages: torch.Tensor, layer: int) -> torch.Tensor:
+        """One layer's page rows, in device byte order, from host pages of one side.
+
+        The host keeps a page as ``(rows_per_page, layers, row_bytes)``, so that
+        the kernel reaches row ``j`` of layer ``l`` from the token index of the
+        row's first token times one fixed stride (see ``host_pool``).
+        """
+        return host_pages[..., layer, :].flatten(-2)
 
     def host_bytes(self, *, page_num: int, layer_num: int) -> int:
         """Host bytes of the K and V scale mirrors for ``page_num`` pages."""
@@ -95,9 +117,15 @@ class MXFP8ScaleGeometry:
         head_num: int,
         head_dim: int,
         page_size: int,
+        min_row_bytes: int = SCALE_ROW_BYTES,
     ) -> MXFP8ScaleGeometry:
         """Geometry from the formula, cross-checked against one layer's device tensors."""
-        geometry = cls(head_num=head_num, head_dim=head_dim, page_size=page_size)
+        geometry = cls(
+            head_num=head_num,
+            head_dim=head_dim,
+            page_size=page_size,
+            min_row_bytes=min_row_bytes,
+        )
         for side, scale in (("k", k_scale), ("v", v_scale)):
             if scale.element_size() != 1 or not scale.is_contiguous():
                 raise ValueError(

@@ -1,36 +1,33 @@
 """HiCache host pool for SGLang's MXFP8 KV cache: the fp8 payload plus its UE8M0 scales.
 
-Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128):
+Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128,
+s = H * D // 32 scale bytes per token, a row = k tokens, k * s >= 128 bytes):
 
-    device  k_buffer[l]        (tokens, H, D)                 fp8 e4m3   SGLang's MHATokenToKVPoolMXFP8
-            k_scale_buffer[l]  (pages, H, 32, P // 32, D // 32) UE8M0    FA4 interleaved atom
-                               = one contiguous row of H * P * D // 32 bytes per page
-    host    kv_buffer          (2, tokens, L, H, D)           fp8        MHATokenToKVPoolHost, page_first
-            scale_host         (2, pages, L, page_bytes)      uint8      this class, K then V
+    device  k_buffer[l]        (tokens, H, D)                   fp8 e4m3  SGLang's MHATokenToKVPoolMXFP8
+            k_scale_buffer[l]  (pages, H, 32, P // 32, D // 32) UE8M0     FA4 interleaved atom
+                               = one contiguous run of P * s bytes per page
+    host    kv_buffer          (2, tokens, L, H, D)             fp8       MHATokenToKVPoolHost, page_first
+            scale_host         (2, pages, P // k, L, k * s)     uint8     this class, K then V
 
-            device k_scale_buffer[l]              host k_scale_host
-            +-----------------------+             +------------------------------+
-    page 0  | row: page_bytes       |    D2H      | page 0: layer 0 | layer 1 |..|
-    page 1  | row                   |  <------>   | page 1: layer 0 | layer 1 |..|
-     ...    +-----------------------+    H2D      +------------------------------+
-
-A page of scales is a row of the kernel's rows (one row, or 512 B slices of it
-when wider), so SGLang's own JIT all-layer kernel (``transfer_hicache_all_layer``,
-per-layer uint64 pointer tables, row strides in bytes) moves the scales with
-row indices derived from the page ids, K and V in one launch:
+A page's scales are split into rows of k tokens. Device row j of page p starts
+at byte (p * P + j * k) * s of its layer; on the host the layers of a row sit
+side by side, so the same row of layer l starts at (p * P + j * k) * L * s + l * k * s.
+Both are a token index times a fixed stride, which is the addressing of SGLang's
+JIT all-layer kernel (``transfer_hicache_all_layer``: per-layer uint64 pointer
+tables, an index times a byte stride per side). The kernel's indices are thus
+every k-th token index of the transfer itself, with no page arithmetic:
 
     D2H  every layer in one launch, right after the payload's staged write-back
     H2D  layer 0's scales with layer 0; every other layer's with layer 1
 
-The payload moves through the base class unchanged. The scales of a transfer
-cost one launch each way (two for a load), not one copy per page and layer.
+The payload moves through the base class unchanged.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from sglang.kernels.ops.kvcache import hicache as hicache_jit
@@ -44,7 +41,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.platforms import current_platform
 from sglang.srt.utils import is_cuda, is_hip
 
-from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
+from sglang_mxfp8_hicache.geometry import SCALE_ROW_BYTES, MXFP8ScaleGeometry
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
@@ -84,6 +81,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     every transfer moves the scales of the same pages right after the payload,
     on the same stream, so the controller's completion events cover both.
     """
+
+    scale_min_row_bytes: ClassVar[int] = SCALE_ROW_BYTES
+    """Narrowest row of scales one kernel worker moves (see the geometry)."""
+
+    scale_block_quota: ClassVar[int] = 16
+    """Thread blocks per scale launch. SGLang's kernels default to 2, which caps
+    GPU stores into pinned host memory (a backup's scales) far below the link."""
 
     def __init__(
         self,
@@ -143,17 +147,20 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         logger.info(
             "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
             "(%d B per page and layer for each of K and V), moved by the JIT "
-            "all-layer kernel in rows of %d B.",
+            "all-layer kernel in rows of %d B (%d tokens), up to %d blocks a launch.",
             pool_label,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
             scale_bytes / 1e9,
             self.scale_geometry.page_bytes,
-            self.scale_geometry.chunk_bytes,
+            self.scale_geometry.row_bytes,
+            self.scale_geometry.row_tokens,
+            self.scale_block_quota,
         )
 
-    @staticmethod
+    @classmethod
     def _check_config(
+        cls,
         buffer_info: MHABufferInfo,
         *,
         page_size: int,
@@ -229,13 +236,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             head_num=buffer_info.head_num,
             head_dim=buffer_info.head_dim,
             page_size=buffer_info.page_size,
+            min_row_bytes=cls.scale_min_row_bytes,
         )
         if not hicache_jit.can_use_hicache_jit_kernel(
-            element_size=geometry.chunk_bytes, page_size=1
+            element_size=geometry.row_bytes,
+            block_quota=cls.scale_block_quota,
+            page_size=1,
         ):
             raise refuse(
                 f"the JIT HiCache kernel cannot move scale rows of "
-                f"{geometry.chunk_bytes} B (see the warning above); run without "
+                f"{geometry.row_bytes} B (see the warning above); run without "
                 "--enable-hierarchical-cache."
             )
         return geometry
@@ -249,9 +259,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     def init_kv_buffer(self) -> torch.Tensor:
         # Scales first: if the payload allocation then fails, destroy() still
         # finds the scale mirror and releases it.
-        page_row_bytes = self.layer_num * self.scale_geometry.page_bytes
+        geometry = self.scale_geometry
+        page_row_bytes = self.layer_num * geometry.page_bytes
         self.scale_host = ALLOC_MEMORY_FUNCS[self._transfer_device.type](
-            (2, self.page_num, self.layer_num, self.scale_geometry.page_bytes),
+            (
+                2,
+                self.page_num,
+                geometry.rows_per_page,
+                self.layer_num,
+                geometry.row_bytes,
+            ),
             dtype=torch.uint8,
             device=self.device,
             pin_memory=self.pin_memory,
@@ -261,14 +278,14 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return super().init_kv_buffer()
 
     def _init_scale_transfer(self, buffer_info: MHABufferInfo) -> None:
-        """Precompute every view and pointer table the transfers use."""
-        page_bytes = self.scale_geometry.page_bytes
+        """Precompute every pointer table and stride the transfers use."""
+        geometry = self.scale_geometry
         device = self._transfer_device
         self.k_scale_host, self.v_scale_host = self.scale_host
 
         def host_layers(host: torch.Tensor) -> torch.Tensor:
-            # [pages, bytes] per layer, rows layer_num * page_bytes apart.
-            views = [host[:, layer] for layer in range(self.layer_num)]
+            # Layer l's rows start l * row_bytes into each host row group.
+            views = [host[:, :, layer] for layer in range(self.layer_num)]
             return make_kernel_ptr_table(
                 views, device, host_memory_registered=self.pin_memory
             )
@@ -289,52 +306,33 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             tuple(t[1 : self.target_layer_num] for t in self._all_layers),
         )
         self._load_rows: tuple[torch.Tensor, ...] = ()
-
-        # Kernel rows: a page row is `chunks` elements of `chunk_bytes`. Device
-        # row j of page p is element p * chunks + j; on the host a page holds all
-        # layers, so with more than one chunk it is element p * layer_num * chunks + j.
-        geometry = self.scale_geometry
-        chunks = geometry.chunks_per_page
-        self._row_bytes = geometry.chunk_bytes
-        self._device_rows_per_page = chunks
-        if chunks == 1:
-            self._host_rows_per_page = 1
-            self._host_row_stride = self.layer_num * page_bytes
-        else:
-            self._host_rows_per_page = self.layer_num * chunks
-            self._host_row_stride = geometry.chunk_bytes
-        # On both sides: host indices of a backup arrive on the CPU, where the
-        # row arithmetic costs no kernel launch.
-        self._chunk_offsets_cpu = torch.arange(chunks, dtype=torch.int64)
-        self._chunk_offsets = self._chunk_offsets_cpu.to(device)
-
-    def _kernel_rows(self, indices: torch.Tensor, rows_per_page: int) -> torch.Tensor:
-        """Token indices of whole pages -> kernel element indices, on the GPU.
-
-        Computed where the indices are (the staged payload write-back keeps a
-        backup's host indices on the CPU), then a pinned copy takes them to the
-        GPU without waiting for the stream.
-        """
-        rows = indices[:: self.page_size] // self.page_size
-        if self._device_rows_per_page > 1 or rows_per_page > 1:
-            # page * rows_per_page + chunk, one fused op.
-            offsets = (
-                self._chunk_offsets_cpu
-                if rows.device.type == "cpu"
-                else self._chunk_offsets
-            )
-            rows = torch.add(offsets, rows[:, None], alpha=rows_per_page).view(-1)
-        if rows.device != self._transfer_device:
-            rows = rows.pin_memory().to(self._transfer_device, non_blocking=True)
-        return rows
+        # A kernel index is the token index of a row's first token; per side, a
+        # token index times these strides is the row's byte offset in its layer.
+        self._row_tokens = geometry.row_tokens
+        self._host_stride = self.layer_num * geometry.bytes_per_token
+        self._device_stride = geometry.bytes_per_token
 
     def _rows(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            self._kernel_rows(host_indices, self._host_rows_per_page),
-            self._kernel_rows(device_indices, self._device_rows_per_page),
+        """Kernel indices of a transfer: every ``row_tokens``-th token index, on the GPU.
+
+        Relies on what HiCache transfers are: whole pages, each as its token
+        indices in order. A load's indices are both on the GPU (one gather
+        kernel for both, none when a row is one token); a backup's host indices
+        are on the CPU, where the payload's staged write-back reads them, and
+        travel to the GPU in one small copy that does not wait for the stream.
+        """
+        step = self._row_tokens
+        if host_indices.device.type == "cpu":
+            host_rows = host_indices[::step].to(self._transfer_device, non_blocking=True)
+            return host_rows, device_indices[::step].contiguous()
+        if step == 1:
+            return host_indices, device_indices
+        host_rows, device_rows = torch.stack(
+            (host_indices[::step], device_indices[::step])
         )
+        return host_rows, device_rows
 
     def _move_scales(
         self,
@@ -346,8 +344,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     ) -> None:
         """One launch: K and V scale rows of the layers in ``tables``."""
         host_k, host_v, device_k, device_v = tables
-        host = (host_k, host_v, host_rows, self._host_row_stride)
-        device = (device_k, device_v, device_rows, self._row_bytes)
+        host = (host_k, host_v, host_rows, self._host_stride)
+        device = (device_k, device_v, device_rows, self._device_stride)
         (k_src, v_src, src_rows, src_stride), (k_dst, v_dst, dst_rows, dst_stride) = (
             (device, host) if to_host else (host, device)
         )
@@ -360,7 +358,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             indices_src=src_rows,
             kv_cache_src_stride_bytes=src_stride,
             kv_cache_dst_stride_bytes=dst_stride,
-            element_size=self._row_bytes,
+            element_size=self.scale_geometry.row_bytes,
+            block_quota=self.scale_block_quota,
             page_size=1,
         )
 
