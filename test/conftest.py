@@ -43,6 +43,7 @@ def cpu_kernels(monkeypatch) -> EmulatedKernels:
         "transfer_hicache_one_layer",
         "transfer_hicache_all_layer",
         "transfer_hicache_all_layer_staged_lf_pf",
+        "_jit_hicache_module",
     ):
         monkeypatch.setattr(hicache, name, getattr(kernels, name))
     monkeypatch.setattr(

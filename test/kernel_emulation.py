@@ -16,6 +16,11 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   ``k_ptr_src[l] + indices_src[i] * src_stride`` to
   ``k_ptr_dst[l] + indices_dst[i] * dst_stride``, and likewise for V
   (``hicache.cuh`` ``run_all``).
+- ``_jit_hicache_module(...).launch_all``: the same copy as
+  ``transfer_hicache_all_layer``, called positionally as ``HiCacheKernel::run_all``
+  is (destination, then source, then the source and destination strides), with
+  the row size fixed by the module; index tensors must be packed 1-D and of
+  one dtype (``TensorMatcher``).
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -168,6 +173,38 @@ class EmulatedKernels:
                 src, src_base = self.pointers.locate(src_address)
                 dst, dst_base = self.pointers.locate(dst_address)
                 dst[dst_base + dst_offsets] = src[src_base + src_offsets]
+
+    def _jit_hicache_module(self, *, element_size, unroll, block_quota):
+        kernels = self
+
+        class Module:
+            @staticmethod
+            def launch_all(
+                k_ptr_dst,
+                v_ptr_dst,
+                indices_dst,
+                k_ptr_src,
+                v_ptr_src,
+                indices_src,
+                kv_src_stride_bytes,
+                kv_dst_stride_bytes,
+            ) -> None:
+                for indices in (indices_dst, indices_src):
+                    assert indices.dim() == 1 and indices.is_contiguous()
+                assert indices_dst.dtype == indices_src.dtype
+                kernels.transfer_hicache_all_layer(
+                    k_ptr_dst,
+                    v_ptr_dst,
+                    indices_dst,
+                    k_ptr_src,
+                    v_ptr_src,
+                    indices_src,
+                    kv_cache_src_stride_bytes=kv_src_stride_bytes,
+                    kv_cache_dst_stride_bytes=kv_dst_stride_bytes,
+                    element_size=element_size,
+                )
+
+        return Module()
 
     def transfer_hicache_one_layer(
         self,

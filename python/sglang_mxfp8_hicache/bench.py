@@ -105,22 +105,57 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
         )
 
 
-class DefaultQuotaHost(MHATokenToKVPoolMXFP8Host):
-    """Ours with SGLang's default of 2 thread blocks per scale launch."""
-
-    scale_block_quota = hicache.DEFAULT_BLOCK_QUOTA
-
-
 class WideRowsHost(MHATokenToKVPoolMXFP8Host):
     """Ours with scale rows of at least 512 B instead of 128 B."""
 
     scale_min_row_bytes = 512
 
 
+class WrapperLaunchHost(MHATokenToKVPoolMXFP8Host):
+    """Ours launching through ``transfer_hicache_all_layer``, which looks the
+    kernel module up again on every call."""
+
+    def _init_scale_transfer(self, buffer_info) -> None:
+        super()._init_scale_transfer(buffer_info)
+        row_bytes = self.scale_geometry.row_bytes
+
+        def launch(k_dst, v_dst, rows_dst, k_src, v_src, rows_src, src, dst):
+            hicache.transfer_hicache_all_layer(
+                k_ptr_dst=k_dst,
+                v_ptr_dst=v_dst,
+                indices_dst=rows_dst,
+                k_ptr_src=k_src,
+                v_ptr_src=v_src,
+                indices_src=rows_src,
+                kv_cache_src_stride_bytes=src,
+                kv_cache_dst_stride_bytes=dst,
+                element_size=row_bytes,
+                page_size=1,
+            )
+
+        self._launch_all_layer = launch
+
+
+class RowsFirstHost(MHATokenToKVPoolMXFP8Host):
+    """Ours preparing a backup's kernel indices before the payload is issued."""
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ) -> None:
+        host_rows, device_rows = self._rows(host_indices, device_indices)
+        MHATokenToKVPoolHost.backup_from_device_all_layer(
+            self, device_pool, host_indices, device_indices, io_backend
+        )
+        self._move_scales(
+            self._all_layers, to_host=True, host_rows=host_rows, device_rows=device_rows
+        )
+
+
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "v1": StagedScalesHost,
-    "quota2": DefaultQuotaHost,
     "rows512": WideRowsHost,
+    "wrapper": WrapperLaunchHost,
+    "rows_first": RowsFirstHost,
 }
 
 
@@ -157,22 +192,28 @@ class Row:
         return ours is not None and ours <= self.goal() and not_slower
 
 
-def _time_ms(fn: Callable[[], None], *, warmup: int, repeat: int) -> float:
+def _time_all(
+    fns: dict[str, Callable[[], object]], *, warmup: int, repeat: int
+) -> dict[str, float]:
+    """Median ms of each function; the runs go round-robin over the functions,
+    so drift (clocks, the host allocator warming up) hits every column alike."""
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
-        start, end = (
-            torch.cuda.Event(enable_timing=True),
-            torch.cuda.Event(enable_timing=True),
-        )
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start, end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _transfers(
@@ -258,10 +299,7 @@ def bench_geometry(
             for direction, fns in _transfers(
                 device_pool, hosts, pages, bytes_per_page, gen
             ).items():
-                ms = {
-                    name: _time_ms(fn, warmup=warmup, repeat=repeat)
-                    for name, fn in fns.items()
-                }
+                ms = _time_all(fns, warmup=warmup, repeat=repeat)
                 rows.append(Row(heads, head_dim, pages, direction, ms))
                 progress()
     finally:

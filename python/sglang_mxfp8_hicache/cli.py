@@ -369,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--ablations",
         default="",
-        help="extra columns: ours with one choice undone (v1, quota2, rows512)",
+        help="extra columns, ours with one choice undone: "
+        "v1, rows512, wrapper, rows_first",
     )
     bench.add_argument("--warmup", type=int, default=3)
     bench.add_argument("--repeat", type=int, default=20)

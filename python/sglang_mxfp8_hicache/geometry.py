@@ -83,7 +83,9 @@ class MXFP8ScaleGeometry:
     def row_tokens(self) -> int:
         """Tokens whose scales make one kernel row: the fewest consecutive tokens
         of a page whose scale bytes are a multiple of ``min_row_bytes``."""
-        tokens = self.min_row_bytes // math.gcd(self.bytes_per_token, self.min_row_bytes)
+        tokens = self.min_row_bytes // math.gcd(
+            self.bytes_per_token, self.min_row_bytes
+        )
         return min(tokens, self.page_size)
 
     @property

@@ -85,10 +85,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     scale_min_row_bytes: ClassVar[int] = SCALE_ROW_BYTES
     """Narrowest row of scales one kernel worker moves (see the geometry)."""
 
-    scale_block_quota: ClassVar[int] = 16
-    """Thread blocks per scale launch. SGLang's kernels default to 2, which caps
-    GPU stores into pinned host memory (a backup's scales) far below the link."""
-
     def __init__(
         self,
         buffer_info: MHABufferInfo,
@@ -147,7 +143,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         logger.info(
             "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
             "(%d B per page and layer for each of K and V), moved by the JIT "
-            "all-layer kernel in rows of %d B (%d tokens), up to %d blocks a launch.",
+            "all-layer kernel in rows of %d B (%d tokens).",
             pool_label,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
@@ -155,7 +151,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             self.scale_geometry.page_bytes,
             self.scale_geometry.row_bytes,
             self.scale_geometry.row_tokens,
-            self.scale_block_quota,
         )
 
     @classmethod
@@ -239,9 +234,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             min_row_bytes=cls.scale_min_row_bytes,
         )
         if not hicache_jit.can_use_hicache_jit_kernel(
-            element_size=geometry.row_bytes,
-            block_quota=cls.scale_block_quota,
-            page_size=1,
+            element_size=geometry.row_bytes, page_size=1
         ):
             raise refuse(
                 f"the JIT HiCache kernel cannot move scale rows of "
@@ -311,6 +304,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self._row_tokens = geometry.row_tokens
         self._host_stride = self.layer_num * geometry.bytes_per_token
         self._device_stride = geometry.bytes_per_token
+        # The module transfer_hicache_all_layer() would pick for these rows (the
+        # register kernel: page_size=1 never selects TMA), looked up once. The
+        # wrapper repeats the lookup per call, about 4 us, which is a tenth of
+        # what a one-page backup is allowed to add.
+        self._launch_all_layer = hicache_jit._jit_hicache_module(
+            element_size=geometry.row_bytes,
+            unroll=hicache_jit._default_unroll(geometry.row_bytes),
+            block_quota=hicache_jit.DEFAULT_BLOCK_QUOTA,
+        ).launch_all
 
     def _rows(
         self, host_indices: torch.Tensor, device_indices: torch.Tensor
@@ -318,14 +320,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         """Kernel indices of a transfer: every ``row_tokens``-th token index, on the GPU.
 
         Relies on what HiCache transfers are: whole pages, each as its token
-        indices in order. A load's indices are both on the GPU (one gather
-        kernel for both, none when a row is one token); a backup's host indices
-        are on the CPU, where the payload's staged write-back reads them, and
-        travel to the GPU in one small copy that does not wait for the stream.
+        indices in order. A load's indices are both on the GPU (one gather for
+        both, none when a row is one token). A backup's host indices are on the
+        CPU, where the payload's staged write-back reads them; they travel
+        through pinned memory, so the copy never waits for the stream.
         """
         step = self._row_tokens
-        if host_indices.device.type == "cpu":
-            host_rows = host_indices[::step].to(self._transfer_device, non_blocking=True)
+        if host_indices.device != device_indices.device:
+            host_rows = host_indices[::step].pin_memory()
+            host_rows = host_rows.to(device_indices.device, non_blocking=True)
             return host_rows, device_indices[::step].contiguous()
         if step == 1:
             return host_indices, device_indices
@@ -344,24 +347,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     ) -> None:
         """One launch: K and V scale rows of the layers in ``tables``."""
         host_k, host_v, device_k, device_v = tables
-        host = (host_k, host_v, host_rows, self._host_stride)
-        device = (device_k, device_v, device_rows, self._device_stride)
-        (k_src, v_src, src_rows, src_stride), (k_dst, v_dst, dst_rows, dst_stride) = (
-            (device, host) if to_host else (host, device)
-        )
-        hicache_jit.transfer_hicache_all_layer(
-            k_ptr_dst=k_dst,
-            v_ptr_dst=v_dst,
-            indices_dst=dst_rows,
-            k_ptr_src=k_src,
-            v_ptr_src=v_src,
-            indices_src=src_rows,
-            kv_cache_src_stride_bytes=src_stride,
-            kv_cache_dst_stride_bytes=dst_stride,
-            element_size=self.scale_geometry.row_bytes,
-            block_quota=self.scale_block_quota,
-            page_size=1,
-        )
+        host = (host_k, host_v, host_rows)
+        device = (device_k, device_v, device_rows)
+        # (K dst, V dst, rows dst, K src, V src, rows src, src stride, dst stride)
+        if to_host:
+            self._launch_all_layer(
+                *host, *device, self._device_stride, self._host_stride
+            )
+        else:
+            self._launch_all_layer(
+                *device, *host, self._host_stride, self._device_stride
+            )
 
     @staticmethod
     def _require_kernel_io(io_backend: str) -> None:
@@ -376,10 +372,11 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self, device_pool, host_indices, device_indices, io_backend
     ) -> None:
         self._require_kernel_io(io_backend)
-        host_rows, device_rows = self._rows(host_indices, device_indices)
+        # Payload first: the work below then overlaps its copy instead of delaying it.
         super().backup_from_device_all_layer(
             device_pool, host_indices, device_indices, io_backend
         )
+        host_rows, device_rows = self._rows(host_indices, device_indices)
         self._move_scales(
             self._all_layers, to_host=True, host_rows=host_rows, device_rows=device_rows
         )
