@@ -334,7 +334,7 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
         controller.evict_host(host)
     return {
         "write_path": write_path,
-        "quantizedwithin_mxfp8_error": quant_ok,
+        "quantized_within_mxfp8_error": quant_ok,
         "payload_restored": payload_equal,
         "scales_restored": scales_equal,
         "dequantized_max_diff": max(diffs),
