@@ -8,12 +8,13 @@ from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 @pytest.mark.parametrize(
     "heads, head_dim, page_bytes, row_tokens",
     [
-        (1, 128, 512, 32),
-        (8, 128, 4096, 4),
-        (32, 128, 16384, 1),
-        (8, 256, 8192, 2),
-        (2, 64, 512, 32),
-        (64, 128, 32768, 1),
+        (1, 128, 512, 128),
+        (8, 128, 4096, 16),
+        (32, 128, 16384, 4),
+        (8, 256, 8192, 8),
+        (2, 64, 512, 128),
+        (64, 128, 32768, 2),
+        (64, 256, 65536, 1),
     ],
 )
 def test_scale_page_bytes(heads, head_dim, page_bytes, row_tokens):
@@ -23,9 +24,9 @@ def test_scale_page_bytes(heads, head_dim, page_bytes, row_tokens):
     # One scale byte per 32 payload bytes.
     assert geometry.payload_bytes_per_token == 32 * geometry.bytes_per_token
     assert geometry.host_bytes(page_num=10, layer_num=3) == 2 * 10 * 3 * page_bytes
-    # Rows are the fewest tokens whose scales fill a multiple of 128 B.
+    # Rows are the fewest tokens whose scales fill a multiple of 512 B.
     assert geometry.row_tokens == row_tokens
-    assert geometry.row_bytes == max(128, geometry.bytes_per_token)
+    assert geometry.row_bytes == max(512, geometry.bytes_per_token)
     assert geometry.row_bytes * geometry.rows_per_page == page_bytes
 
 

@@ -48,7 +48,7 @@ def make_pools(
     "heads, head_dim, layers, pages",
     [
         (1, 128, 3, 1),
-        (2, 128, 1, 3),  # one layer: layer 0 brings every scale
+        (2, 128, 1, 3),  # a single layer
         (1, 128, 3, 200),  # crosses the 64-page write-back staging chunk three times
         (8, 128, 2, 64),
         (8, 128, 2, 130),
@@ -67,9 +67,9 @@ def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
     assert result.host_untouched
     assert result.device_untouched
     rows = host.scale_geometry.row_bytes
-    # The scales went through the all-layer kernel in rows of 128 B: one launch
-    # for the backup, two for the load (layer 0, then the rest).
-    assert cpu_kernels.calls.count(("all_layer", rows)) == (3 if layers > 1 else 2)
+    # The scales went through the all-layer kernel in rows of 512 B: one launch
+    # for the backup, one for the load (with layer 0).
+    assert cpu_kernels.calls.count(("all_layer", rows)) == 2
     # No other kernel moved scale-sized rows (payload rows may share a size).
     scale_sizes = {rows, host.scale_geometry.page_bytes} - {heads * head_dim}
     assert not any(
@@ -104,8 +104,8 @@ def test_sizing_counts_scales(cpu_kernels):
     assert host.size_per_token == payload + scales
     assert host.get_ksize_per_token() == (payload + scales) // 2
     assert host.scale_host.numel() == host.page_num * 4 * 2 * 8 * 128 * 4
-    # Rows of 4 tokens (4 * 32 B), the 4 layers of a row side by side.
-    assert host.scale_host.shape == (2, host.page_num, 32, 4, 128)
+    # Rows of 16 tokens (16 * 32 B), the 4 layers of a row side by side.
+    assert host.scale_host.shape == (2, host.page_num, 8, 4, 512)
 
 
 @pytest.mark.parametrize(
@@ -268,7 +268,7 @@ def test_refuses_when_jit_kernel_unavailable(
     monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="cannot move scale rows of 128 B"
+        MXFP8HiCacheConfigError, match="cannot move scale rows of 512 B"
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -372,7 +372,7 @@ def test_destroy_is_idempotent(cpu_kernels):
 
 
 def test_load_with_new_index_tensors_per_layer(cpu_kernels):
-    """Equal indices in new tensors for each layer: page ids are recomputed, not reused."""
+    """New index tensors for each layer call: every layer's scales still arrive."""
     device_pool, host = make_pools(
         cpu_kernels, heads=2, head_dim=128, layers=3, pages=4
     )

@@ -105,10 +105,32 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
         )
 
 
-class WideRowsHost(MHATokenToKVPoolMXFP8Host):
-    """Ours with scale rows of at least 512 B instead of 128 B."""
+class NarrowRowsHost(MHATokenToKVPoolMXFP8Host):
+    """Ours with scale rows of at least 128 B (the kernel's minimum) instead of 512 B."""
 
-    scale_min_row_bytes = 512
+    scale_min_row_bytes = 128
+
+
+class SplitLoadHost(MHATokenToKVPoolMXFP8Host):
+    """Ours loading layer 0's scales with layer 0 and the others' with layer 1."""
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw
+    ) -> None:
+        MHATokenToKVPoolHost.load_to_device_per_layer(
+            self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw
+        )
+        if layer_id == 0:
+            self._split_rows = self._rows(host_indices, device_indices)
+        if layer_id in (0, 1):
+            layers = slice(0, 1) if layer_id == 0 else slice(1, self.target_layer_num)
+            host_rows, device_rows = self._split_rows
+            self._move_scales(
+                tuple(t[layers] for t in self._load_layers),
+                to_host=False,
+                host_rows=host_rows,
+                device_rows=device_rows,
+            )
 
 
 class WrapperLaunchHost(MHATokenToKVPoolMXFP8Host):
@@ -153,7 +175,8 @@ class RowsFirstHost(MHATokenToKVPoolMXFP8Host):
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "v1": StagedScalesHost,
-    "rows512": WideRowsHost,
+    "rows128": NarrowRowsHost,
+    "split_load": SplitLoadHost,
     "wrapper": WrapperLaunchHost,
     "rows_first": RowsFirstHost,
 }
@@ -195,15 +218,18 @@ class Row:
 def _time_all(
     fns: dict[str, Callable[[], object]], *, warmup: int, repeat: int
 ) -> dict[str, float]:
-    """Median ms of each function; the runs go round-robin over the functions,
-    so drift (clocks, the host allocator warming up) hits every column alike."""
+    """Median ms of each function. The runs go round-robin over the functions,
+    each round starting one function later, so drift and the position in a
+    round (the first call after a synchronize runs slower) hit every column alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     torch.cuda.synchronize()
+    items = list(fns.items())
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
+    for round_ in range(repeat):
+        shift = round_ % len(items)
+        for name, fn in items[shift:] + items[:shift]:
             start, end = (
                 torch.cuda.Event(enable_timing=True),
                 torch.cuda.Event(enable_timing=True),

@@ -25,10 +25,12 @@ MXFP8_SCALE_BLOCK = 32
 
 FP8_ITEMSIZE = 1
 
-SCALE_ROW_BYTES = 128
-"""Narrowest kernel row of scales: SGLang's JIT transfer kernel copies rows in
-128 B groups on CUDA. Narrow rows keep many of the kernel's workers busy even
-for one page (each worker walks every layer of its row in turn)."""
+SCALE_ROW_BYTES = 512
+"""Narrowest kernel row of scales. SGLang's JIT kernel gives each row to one
+worker, which walks every layer of it in turn: narrow rows keep more workers
+busy for few pages, wide rows read fewer indices per byte. On an H100, 512 B
+rows beat 128 B rows on large loads and matched them elsewhere
+(docs/benchmarks.md). A multiple of 128 B, as the kernel needs on CUDA."""
 
 
 @dataclass(frozen=True)
