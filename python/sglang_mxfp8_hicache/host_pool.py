@@ -1,7 +1,7 @@
 """HiCache host pool for SGLang's MXFP8 KV cache: the fp8 payload plus its UE8M0 scales.
 
 Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128,
-s = H * D // 32 scale bytes per token, a row = k tokens, k * s >= 128 bytes):
+s = H * D // 32 scale bytes per token, a row = k tokens, k * s >= 512 bytes):
 
     device  k_buffer[l]        (tokens, H, D)                   fp8 e4m3  SGLang's MHATokenToKVPoolMXFP8
             k_scale_buffer[l]  (pages, H, 32, P // 32, D // 32) UE8M0     FA4 interleaved atom
@@ -302,8 +302,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self._device_stride = geometry.bytes_per_token
         # The module transfer_hicache_all_layer() would pick for these rows (the
         # register kernel: page_size=1 never selects TMA), looked up once. The
-        # wrapper repeats the lookup per call, about 4 us, which is a tenth of
-        # what a one-page backup is allowed to add.
+        # wrapper repeats the lookup on every call, about 4 us, against the 8 to
+        # 21 us a one-page backup may add in all (docs/benchmarks.md).
         self._launch_all_layer = hicache_jit._jit_hicache_module(
             element_size=geometry.row_bytes,
             unroll=hicache_jit._default_unroll(geometry.row_bytes),
