@@ -75,6 +75,12 @@ def test_size_needs_a_geometry(capsys):
     assert "--config" in capsys.readouterr().err
 
 
+def test_bench_refuses_unknown_ablation(capsys):
+    assert main(["bench", "--ablations", "rows128,nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown ablation(s) ['nope']" in err and "split_load" in err
+
+
 def test_check_command():
     """The README's main command, in a fresh process."""
     done = subprocess.run(

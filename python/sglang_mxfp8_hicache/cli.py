@@ -283,9 +283,6 @@ def cmd_size(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench: needs a CUDA GPU (the JIT transfer kernels)", file=sys.stderr)
-        return 2
     from sglang_mxfp8_hicache import bench
 
     geometries = tuple(
@@ -299,6 +296,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"bench: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}",
             file=sys.stderr,
         )
+        return 2
+    if not torch.cuda.is_available():
+        print("bench: needs a CUDA GPU (the JIT transfer kernels)", file=sys.stderr)
         return 2
     rows = bench.run(
         geometries,
