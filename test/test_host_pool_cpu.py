@@ -54,6 +54,7 @@ def make_pools(
         (8, 128, 2, 130),
         (8, 256, 2, 70),
         (32, 128, 2, 67),
+        (64, 256, 1, 3),  # 512 B of scales per token: rows of one token
     ],
 )
 def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):

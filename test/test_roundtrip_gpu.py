@@ -47,6 +47,20 @@ def test_round_trip_real_kernels(heads, head_dim, pages):
         host.destroy()
 
 
+@pytest.mark.parametrize("pages", [1, 9])
+def test_round_trip_one_token_rows(pages):
+    """64 heads of 256: 512 B of scales per token, so a row is one token and the
+    token indices reach the kernel unchanged (no gather on a load)."""
+    device_pool, host = pools(64, 256, pages)
+    try:
+        assert host.scale_geometry.row_tokens == 1
+        result = round_trip(device_pool, host, pages=pages, seed=pages)
+        assert result.payload_restored and result.scales_restored
+        assert result.host_untouched and result.device_untouched
+    finally:
+        host.destroy()
+
+
 def test_plain_host_pool_loses_scales_on_gpu():
     device_pool, host = pools(8, 128, 16, host_cls=MHATokenToKVPoolHost)
     try:

@@ -220,7 +220,8 @@ def _time_all(
 ) -> dict[str, float]:
     """Median ms of each function. The runs go round-robin over the functions,
     each round starting one function later, so drift and the position in a
-    round (the first call after a synchronize runs slower) hit every column alike."""
+    round (the first column ran slowest when the order was fixed) hit every
+    column alike."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()

@@ -29,8 +29,8 @@ SCALE_ROW_BYTES = 512
 """Narrowest kernel row of scales. SGLang's JIT kernel gives each row to one
 worker, which walks every layer of it in turn: narrow rows keep more workers
 busy for few pages, wide rows read fewer indices per byte. On an H100, 512 B
-rows beat 128 B rows on large loads and matched them elsewhere
-(docs/benchmarks.md). A multiple of 128 B, as the kernel needs on CUDA."""
+rows beat 128 B rows on large loads and lost to them only on one-page loads
+(docs/benchmarks.md, table E). A multiple of 128 B, as the kernel needs on CUDA."""
 
 
 @dataclass(frozen=True)
