@@ -179,28 +179,18 @@ class EmulatedKernels:
 
         class Module:
             @staticmethod
-            def launch_all(
-                k_ptr_dst,
-                v_ptr_dst,
-                indices_dst,
-                k_ptr_src,
-                v_ptr_src,
-                indices_src,
-                kv_src_stride_bytes,
-                kv_dst_stride_bytes,
-            ) -> None:
+            def launch_all(*args) -> None:
+                # (K dst, V dst, indices dst, K src, V src, indices src,
+                #  src stride bytes, dst stride bytes), as HiCacheKernel::run_all.
+                *tensors, src_stride, dst_stride = args
+                indices_dst, indices_src = tensors[2], tensors[5]
                 for indices in (indices_dst, indices_src):
                     assert indices.dim() == 1 and indices.is_contiguous()
                 assert indices_dst.dtype == indices_src.dtype
                 kernels.transfer_hicache_all_layer(
-                    k_ptr_dst,
-                    v_ptr_dst,
-                    indices_dst,
-                    k_ptr_src,
-                    v_ptr_src,
-                    indices_src,
-                    kv_cache_src_stride_bytes=kv_src_stride_bytes,
-                    kv_cache_dst_stride_bytes=kv_dst_stride_bytes,
+                    *tensors,
+                    kv_cache_src_stride_bytes=src_stride,
+                    kv_cache_dst_stride_bytes=dst_stride,
                     element_size=element_size,
                 )
 
