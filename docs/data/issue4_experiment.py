@@ -1,13 +1,14 @@
 # ruff: noqa: B023  (the lambdas run inside the loop iteration that builds them)
-"""Issue-4 experiment, as run on 2026-11-29 (H100) against commit 663f081.
+"""Issue-4 experiment, as run on 2026-11-29 (H100) at commit 4b7dca5 (run 2).
 
 CPU cost per call of the pieces of a transfer, then ``bench.run`` with design
 variants as extra columns: ``one`` (every layer's scales with layer 0, which
 became the shipped design) and the ablations ``bench.ABLATIONS`` had at that
-commit. ``OverlapHost`` (a side stream) was in the first run (commit 3ad3d5d)
-together with thread-block quotas of 2, 4 and 64. Output: exp3-*.json and
-exp1-*.json beside this file. Run from the project root on a GPU machine:
-``python3 docs/data/issue4_experiment.py``.
+commit. ``OverlapHost`` (a side stream; it needs that commit's host pool) was a
+column of the first run (commit 3ad3d5d), together with thread-block quotas of
+2, 4 and 64. Output: exp1-*.json and exp3-*.json beside this file. Run from the
+project root on a GPU machine: ``python3 docs/data/issue4_experiment.py``; at a
+later commit its columns measure that commit's code.
 """
 
 import os
