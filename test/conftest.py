@@ -25,18 +25,19 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def cpu_kernels(monkeypatch) -> EmulatedKernels:
-    """SGLang's JIT HiCache kernels replaced by CPU emulations of their contracts.
+    """SGLang's JIT HiCache kernels and ours replaced by CPU emulations of their contracts.
 
-    Patched where they are looked up: hicache.py (our host pool calls through the
-    module) and the aliases mha.py imported, and the platform gate that lets the
-    base class enable its staged write-back.
+    Patched where they are looked up: our scale_kernel module, hicache.py and the
+    aliases mha.py imported, and the platform gate that lets the base class
+    enable its staged write-back.
     """
     from sglang.kernels.ops.kvcache import hicache
     from sglang.srt.mem_cache.pool_host import mha
 
-    from sglang_mxfp8_hicache import host_pool
+    from sglang_mxfp8_hicache import host_pool, scale_kernel
 
     kernels = EmulatedKernels(PointerMap())
+    monkeypatch.setattr(scale_kernel, "scale_rows_module", kernels.scale_rows_module)
     for name in (
         "can_use_hicache_jit_kernel",
         "can_use_write_back_jit_kernel",

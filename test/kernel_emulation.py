@@ -21,6 +21,16 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   is (destination, then source, then the source and destination strides), with
   the row size fixed by the module; index tensors must be packed 1-D and of
   one dtype (``TensorMatcher``).
+- ``scale_rows_module(row_bytes)`` (ours, ``csrc/scale_rows.cuh``): ``tables`` is
+  a packed [4, layers] uint64 table (host K, host V, device K, device V). Row
+  ``i`` moves ``row_bytes`` per layer and side between host token ``h_i`` (times
+  the host stride) and device token ``device_indices[i * row_tokens]`` (times
+  the device stride). ``load`` reads ``h_i = host_indices[i * row_tokens]``
+  (same dtype as the device indices) for ``len / row_tokens`` rows; ``backup``
+  takes CPU int64 host indices of whole pages, refuses a page that is not one
+  run of ``page_size`` tokens from a multiple of ``page_size``, and reads
+  ``h_i`` as the page's first token plus ``row * row_tokens``; one launch per
+  256 pages.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -163,16 +173,120 @@ class EmulatedKernels:
         assert indices_src.dtype in (torch.int32, torch.int64)
         assert indices_dst.dtype in (torch.int32, torch.int64)
         assert indices_src.numel() == indices_dst.numel()
-        span = torch.arange(element_size)
-        src_offsets = indices_src.long()[:, None] * kv_cache_src_stride_bytes + span
-        dst_offsets = indices_dst.long()[:, None] * kv_cache_dst_stride_bytes + span
         for src_table, dst_table in ((k_ptr_src, k_ptr_dst), (v_ptr_src, v_ptr_dst)):
-            for src_address, dst_address in zip(
-                src_table.tolist(), dst_table.tolist(), strict=True
-            ):
-                src, src_base = self.pointers.locate(src_address)
-                dst, dst_base = self.pointers.locate(dst_address)
-                dst[dst_base + dst_offsets] = src[src_base + src_offsets]
+            self._copy_rows(
+                src_table.tolist(),
+                dst_table.tolist(),
+                indices_src.long() * kv_cache_src_stride_bytes,
+                indices_dst.long() * kv_cache_dst_stride_bytes,
+                element_size,
+            )
+
+    def _copy_rows(self, src_bases, dst_bases, src_offsets, dst_offsets, row_bytes):
+        """Per layer: row_bytes from src_bases[l] + src_offsets[i] to dst_bases[l] + dst_offsets[i]."""
+        span = torch.arange(row_bytes)
+        for src_address, dst_address in zip(src_bases, dst_bases, strict=True):
+            src, src_base = self.pointers.locate(src_address)
+            dst, dst_base = self.pointers.locate(dst_address)
+            dst[dst_base + dst_offsets[:, None] + span] = src[
+                src_base + src_offsets[:, None] + span
+            ]
+
+    def scale_rows_module(self, row_bytes: int):
+        kernels = self
+
+        def check_tables(tables) -> tuple[list[int], ...]:
+            assert tables.dtype == torch.uint64 and tables.is_contiguous()
+            assert tables.dim() == 2 and tables.shape[0] == 4
+            return tuple(tables.tolist())
+
+        def move(tables, host_rows, device_rows, host_stride, device_stride, to_host):
+            host_k, host_v, device_k, device_v = check_tables(tables)
+            host_offsets = host_rows * host_stride
+            device_offsets = device_rows * device_stride
+            for host_bases, device_bases in ((host_k, device_k), (host_v, device_v)):
+                if to_host:
+                    kernels._copy_rows(
+                        device_bases,
+                        host_bases,
+                        device_offsets,
+                        host_offsets,
+                        row_bytes,
+                    )
+                else:
+                    kernels._copy_rows(
+                        host_bases,
+                        device_bases,
+                        host_offsets,
+                        device_offsets,
+                        row_bytes,
+                    )
+
+        class Module:
+            @staticmethod
+            def backup(
+                tables,
+                host_indices,
+                device_indices,
+                host_stride,
+                device_stride,
+                row_tokens,
+                page_size,
+            ) -> None:
+                assert host_indices.device.type == "cpu"
+                assert host_indices.dtype == torch.int64
+                assert device_indices.dtype in (torch.int32, torch.int64)
+                for indices in (host_indices, device_indices):
+                    assert indices.dim() == 1 and indices.is_contiguous()
+                assert host_indices.numel() == device_indices.numel()
+                if not (row_tokens > 0 and page_size % row_tokens == 0):
+                    raise RuntimeError("MXFP8 scale backup: rows must tile a page")
+                if host_indices.numel() % page_size:
+                    raise RuntimeError(
+                        "MXFP8 scale backup: indices must be whole pages"
+                    )
+                pages = host_indices.view(-1, page_size)
+                starts = pages[:, 0]
+                aligned = (starts >= 0) & (starts % page_size == 0)
+                runs = pages[:, -1] == starts + page_size - 1
+                bad = (~(aligned & runs)).nonzero().flatten().tolist()
+                if bad:
+                    raise RuntimeError(
+                        f"MXFP8 scale backup: host page {bad[0]} is not one aligned "
+                        f"run of {page_size} tokens (it starts at token "
+                        f"{int(starts[bad[0]])})"
+                    )
+                rows_per_page = page_size // row_tokens
+                host_rows = (
+                    starts[:, None] + torch.arange(rows_per_page) * row_tokens
+                ).reshape(-1)
+                device_rows = device_indices.long()[::row_tokens].cpu()
+                for _ in range(0, pages.shape[0], 256):
+                    kernels.calls.append(("scale_rows_backup", row_bytes))
+                move(tables, host_rows, device_rows, host_stride, device_stride, True)
+
+            @staticmethod
+            def load(
+                tables,
+                host_indices,
+                device_indices,
+                host_stride,
+                device_stride,
+                row_tokens,
+            ) -> None:
+                assert host_indices.dtype == device_indices.dtype
+                assert host_indices.dtype in (torch.int32, torch.int64)
+                for indices in (host_indices, device_indices):
+                    assert indices.dim() == 1 and indices.is_contiguous()
+                assert host_indices.numel() == device_indices.numel()
+                if not (row_tokens > 0 and host_indices.numel() % row_tokens == 0):
+                    raise RuntimeError("MXFP8 scale load: indices must be whole rows")
+                kernels.calls.append(("scale_rows_load", row_bytes))
+                host_rows = host_indices.long()[::row_tokens]
+                device_rows = device_indices.long()[::row_tokens]
+                move(tables, host_rows, device_rows, host_stride, device_stride, False)
+
+        return Module()
 
     def _jit_hicache_module(self, *, element_size, unroll, block_quota):
         kernels = self

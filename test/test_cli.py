@@ -78,7 +78,7 @@ def test_size_needs_a_geometry(capsys):
 def test_bench_refuses_unknown_ablation(capsys):
     assert main(["bench", "--ablations", "rows128,nope"]) == 2
     err = capsys.readouterr().err
-    assert "unknown ablation(s) ['nope']" in err and "split_load" in err
+    assert "unknown ablation(s) ['nope']" in err and "stock" in err
 
 
 def test_check_command():

@@ -10,7 +10,9 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+import scenarios
 from sglang_mxfp8_hicache import host_pool as host_pool_module
+from sglang_mxfp8_hicache.bench import ABLATIONS
 from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
     MXFP8HiCacheConfigError,
@@ -50,6 +52,7 @@ def make_pools(
         (1, 128, 3, 1),
         (2, 128, 1, 3),  # a single layer
         (1, 128, 3, 200),  # crosses the 64-page write-back staging chunk three times
+        (1, 128, 2, 300),  # two backup launches of at most 256 pages
         (8, 128, 2, 64),
         (8, 128, 2, 130),
         (8, 256, 2, 70),
@@ -68,13 +71,16 @@ def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
     assert result.host_untouched
     assert result.device_untouched
     rows = host.scale_geometry.row_bytes
-    # The scales went through the all-layer kernel in rows of 512 B: one launch
-    # for the backup, one for the load (with layer 0).
-    assert cpu_kernels.calls.count(("all_layer", rows)) == 2
-    # No other kernel moved scale-sized rows (payload rows may share a size).
+    # The scales went through our kernel in rows of 512 B: one launch per 256
+    # pages for the backup, one for the load (with layer 0).
+    launches = -(-pages // 256)
+    assert cpu_kernels.calls.count(("scale_rows_backup", rows)) == launches
+    assert cpu_kernels.calls.count(("scale_rows_load", rows)) == 1
+    # No SGLang kernel moved scale-sized rows (payload rows may share a size).
     scale_sizes = {rows, host.scale_geometry.page_bytes} - {heads * head_dim}
     assert not any(
-        name != "all_layer" and size in scale_sizes for name, size in cpu_kernels.calls
+        not name.startswith("scale_rows") and size in scale_sizes
+        for name, size in cpu_kernels.calls
     )
     # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
     assert (host.scale_host == 0xFF).any()
@@ -264,12 +270,16 @@ def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
 def test_refuses_when_jit_kernel_unavailable(
     cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
 ):
-    from sglang.kernels.ops.kvcache import hicache
+    from sglang_mxfp8_hicache import scale_kernel
 
-    monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
+    def no_compiler(row_bytes):
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(scale_kernel, "scale_rows_module", no_compiler)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="cannot move scale rows of 512 B"
+        MXFP8HiCacheConfigError,
+        match=r"scale rows of 512 B failed to build \(nvcc not found\)",
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -398,3 +408,30 @@ def test_load_with_new_index_tensors_per_layer(cpu_kernels):
                 host.scale_host[side, host_pages], layer
             )
             assert torch.equal(rows[device_pages], host_rows)
+
+
+def test_backup_refuses_misaligned_host_page(cpu_kernels):
+    device_pool, host = make_pools(
+        cpu_kernels, heads=8, head_dim=128, layers=2, pages=2
+    )
+    scenarios.backup_refuses_misaligned_host_page(device_pool, host)
+    assert ("scale_rows_backup", host.scale_geometry.row_bytes) not in cpu_kernels.calls
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_scale_kernel_moves_exactly_its_rows(cpu_kernels, index_dtype):
+    device_pool, host = make_pools(
+        cpu_kernels, heads=8, head_dim=128, layers=3, pages=5
+    )
+    scenarios.scale_kernel_moves_exactly_its_rows(device_pool, host, index_dtype)
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_bench_ablations_round_trip(cpu_kernels, name):
+    """What `bench --ablations` times moves the same bytes as ours."""
+    device_pool, host = make_pools(
+        cpu_kernels, heads=8, head_dim=128, layers=2, pages=9, host_cls=ABLATIONS[name]
+    )
+    result = round_trip(device_pool, host, pages=9, seed=5)
+    assert result.payload_restored and result.scales_restored
+    assert result.host_untouched and result.device_untouched

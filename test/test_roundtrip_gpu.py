@@ -7,6 +7,7 @@ import torch
 from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+import scenarios
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.selfcheck import (
     build_device_pool,
@@ -34,7 +35,7 @@ def pools(heads, head_dim, pages, host_cls=MHATokenToKVPoolMXFP8Host):
 
 
 @pytest.mark.parametrize("heads, head_dim", [(1, 128), (8, 128), (32, 128), (8, 256)])
-@pytest.mark.parametrize("pages", [1, 64, 200])
+@pytest.mark.parametrize("pages", [1, 64, 300])  # 300: two backup launches
 def test_round_trip_real_kernels(heads, head_dim, pages):
     device_pool, host = pools(heads, head_dim, pages)
     try:
@@ -57,6 +58,25 @@ def test_round_trip_one_token_rows(pages):
         result = round_trip(device_pool, host, pages=pages, seed=pages)
         assert result.payload_restored and result.scales_restored
         assert result.host_untouched and result.device_untouched
+    finally:
+        host.destroy()
+
+
+def test_backup_refuses_misaligned_host_page_on_gpu():
+    device_pool, host = pools(8, 128, 2)
+    try:
+        scenarios.backup_refuses_misaligned_host_page(device_pool, host)
+    finally:
+        host.destroy()
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_scale_kernel_moves_exactly_its_rows(index_dtype):
+    """The kernel alone, on random bytes and permuted pages: the rows of the
+    named pages arrive, every other byte on both sides stays as it was."""
+    device_pool, host = pools(8, 128, 5)
+    try:
+        scenarios.scale_kernel_moves_exactly_its_rows(device_pool, host, index_dtype)
     finally:
         host.destroy()
 

@@ -50,7 +50,7 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
 
     def _init_scale_transfer(self, buffer_info) -> None:
         super()._init_scale_transfer(buffer_info)
-        self.device_k_scale_ptrs, self.device_v_scale_ptrs = self._all_layers[2:]
+        self.device_k_scale_ptrs, self.device_v_scale_ptrs = self._backup_tables[2:]
         page_bytes = self.scale_geometry.page_bytes
         # The first version's host layout: one page row per layer.
         self.k_pages_host, self.v_pages_host = self.scale_host.view(
@@ -105,14 +105,57 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
         )
 
 
-class NarrowRowsHost(MHATokenToKVPoolMXFP8Host):
-    """Ours with scale rows of at least 128 B (the kernel's minimum) instead of 512 B."""
+class StockKernelHost(MHATokenToKVPoolMXFP8Host):
+    """Ours before the scale-row kernel (table E): the same rows through SGLang's
+    all-layer kernel, which needs packed GPU indices, prepared per transfer: a
+    pinned upload and a gather for a backup, one gather for a load."""
 
-    scale_min_row_bytes = 128
+    def _init_scale_transfer(self, buffer_info) -> None:
+        super()._init_scale_transfer(buffer_info)
+        row_bytes = self.scale_geometry.row_bytes
+        self._launch_all_layer = hicache._jit_hicache_module(
+            element_size=row_bytes,
+            unroll=hicache._default_unroll(row_bytes),
+            block_quota=hicache.DEFAULT_BLOCK_QUOTA,
+        ).launch_all
 
+    def _stock_rows(self, host_indices, device_indices):
+        step = self._row_tokens
+        if host_indices.device != device_indices.device:
+            host_rows = host_indices[::step].pin_memory()
+            host_rows = host_rows.to(device_indices.device, non_blocking=True)
+            return host_rows, device_indices[::step].contiguous()
+        if step == 1:
+            return host_indices, device_indices
+        host_rows, device_rows = torch.stack(
+            (host_indices[::step], device_indices[::step])
+        )
+        return host_rows, device_rows
 
-class SplitLoadHost(MHATokenToKVPoolMXFP8Host):
-    """Ours loading layer 0's scales with layer 0 and the others' with layer 1."""
+    def _stock_move(self, tables, host_indices, device_indices, *, to_host) -> None:
+        host_k, host_v, device_k, device_v = tables
+        host_rows, device_rows = self._stock_rows(host_indices, device_indices)
+        host = (host_k, host_v, host_rows)
+        device = (device_k, device_v, device_rows)
+        # (K dst, V dst, rows dst, K src, V src, rows src, src stride, dst stride)
+        if to_host:
+            self._launch_all_layer(
+                *host, *device, self._device_stride, self._host_stride
+            )
+        else:
+            self._launch_all_layer(
+                *device, *host, self._host_stride, self._device_stride
+            )
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ) -> None:
+        MHATokenToKVPoolHost.backup_from_device_all_layer(
+            self, device_pool, host_indices, device_indices, io_backend
+        )
+        self._stock_move(
+            self._backup_tables, host_indices, device_indices, to_host=True
+        )
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw
@@ -121,64 +164,21 @@ class SplitLoadHost(MHATokenToKVPoolMXFP8Host):
             self, device_pool, host_indices, device_indices, layer_id, io_backend, **kw
         )
         if layer_id == 0:
-            self._split_rows = self._rows(host_indices, device_indices)
-        if layer_id in (0, 1):
-            layers = slice(0, 1) if layer_id == 0 else slice(1, self.target_layer_num)
-            host_rows, device_rows = self._split_rows
-            self._move_scales(
-                tuple(t[layers] for t in self._load_layers),
-                to_host=False,
-                host_rows=host_rows,
-                device_rows=device_rows,
+            self._stock_move(
+                self._load_tables, host_indices, device_indices, to_host=False
             )
 
 
-class WrapperLaunchHost(MHATokenToKVPoolMXFP8Host):
-    """Ours launching through ``transfer_hicache_all_layer``, which looks the
-    kernel module up again on every call."""
+class NarrowRowsHost(MHATokenToKVPoolMXFP8Host):
+    """Ours with scale rows of at least 128 B (the kernel's minimum) instead of 512 B."""
 
-    def _init_scale_transfer(self, buffer_info) -> None:
-        super()._init_scale_transfer(buffer_info)
-        row_bytes = self.scale_geometry.row_bytes
-
-        def launch(k_dst, v_dst, rows_dst, k_src, v_src, rows_src, src, dst):
-            hicache.transfer_hicache_all_layer(
-                k_ptr_dst=k_dst,
-                v_ptr_dst=v_dst,
-                indices_dst=rows_dst,
-                k_ptr_src=k_src,
-                v_ptr_src=v_src,
-                indices_src=rows_src,
-                kv_cache_src_stride_bytes=src,
-                kv_cache_dst_stride_bytes=dst,
-                element_size=row_bytes,
-                page_size=1,
-            )
-
-        self._launch_all_layer = launch
-
-
-class RowsFirstHost(MHATokenToKVPoolMXFP8Host):
-    """Ours preparing a backup's kernel indices before the payload is issued."""
-
-    def backup_from_device_all_layer(
-        self, device_pool, host_indices, device_indices, io_backend
-    ) -> None:
-        host_rows, device_rows = self._rows(host_indices, device_indices)
-        MHATokenToKVPoolHost.backup_from_device_all_layer(
-            self, device_pool, host_indices, device_indices, io_backend
-        )
-        self._move_scales(
-            self._all_layers, to_host=True, host_rows=host_rows, device_rows=device_rows
-        )
+    scale_min_row_bytes = 128
 
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
+    "stock": StockKernelHost,
     "v1": StagedScalesHost,
     "rows128": NarrowRowsHost,
-    "split_load": SplitLoadHost,
-    "wrapper": WrapperLaunchHost,
-    "rows_first": RowsFirstHost,
 }
 
 

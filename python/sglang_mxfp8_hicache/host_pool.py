@@ -12,13 +12,15 @@ s = H * D // 32 scale bytes per token, a row = k tokens, k * s >= 512 bytes):
 A page's scales are split into rows of k tokens. Device row j of page p starts
 at byte (p * P + j * k) * s of its layer; on the host the layers of a row sit
 side by side, so the same row of layer l starts at (p * P + j * k) * L * s + l * k * s.
-Both are a token index times a fixed stride, which is the addressing of SGLang's
-JIT all-layer kernel (``transfer_hicache_all_layer``: per-layer uint64 pointer
-tables, an index times a byte stride per side). The kernel's indices are thus
-every k-th token index of the transfer itself, with no page arithmetic:
+Both are a token index times a fixed stride per side, the addressing of SGLang's
+JIT all-layer kernel. Our kernel (``scale_kernel``, ``csrc/scale_rows.cuh``) is
+that copy reading every k-th token index of the transfer itself, so no index is
+prepared on the CPU:
 
-    D2H  every layer in one launch, right after the payload's staged write-back
-    H2D  every layer in one launch, with layer 0
+    D2H  every layer in one launch (one per 256 pages), right after the
+         payload's staged write-back; each host page's first token index
+         travels in the launch parameters, as the payload reads it on the CPU
+    H2D  every layer in one launch, with layer 0, from the GPU index tensors
 
 The payload moves through the base class unchanged.
 """
@@ -30,7 +32,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from sglang.kernels.ops.kvcache import hicache as hicache_jit
 from sglang.srt.mem_cache.device_pool_info import KVScaleLayout
 from sglang.srt.mem_cache.pool_host.common import (
     ALLOC_MEMORY_FUNCS,
@@ -41,6 +42,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.platforms import current_platform
 from sglang.srt.utils import is_cuda, is_hip
 
+from sglang_mxfp8_hicache import scale_kernel
 from sglang_mxfp8_hicache.geometry import SCALE_ROW_BYTES, MXFP8ScaleGeometry
 
 if TYPE_CHECKING:
@@ -80,6 +82,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     Adds the scale sidecar and nothing else: sizing counts the scale bytes, and
     every transfer moves the scales of the same pages right after the payload,
     on the same stream, so the controller's completion events cover both.
+    Transfers rely on what HiCache hands a pool: whole pages, each as its token
+    indices in order (the backup checks this for the host side on the CPU).
     """
 
     scale_min_row_bytes: ClassVar[int] = SCALE_ROW_BYTES
@@ -142,8 +146,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         scale_bytes = self.scale_host.numel()
         logger.info(
             "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
-            "(%d B per page and layer for each of K and V), moved by the JIT "
-            "all-layer kernel in rows of %d B (%d tokens).",
+            "(%d B per page and layer for each of K and V), moved in rows of %d B "
+            "(%d tokens) by one scale-row JIT launch per transfer.",
             pool_label,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
@@ -233,14 +237,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             page_size=buffer_info.page_size,
             min_row_bytes=cls.scale_min_row_bytes,
         )
-        if not hicache_jit.can_use_hicache_jit_kernel(
-            element_size=geometry.row_bytes, page_size=1
-        ):
+        try:
+            scale_kernel.scale_rows_module(geometry.row_bytes)
+        except Exception as exc:
             raise refuse(
-                f"the JIT HiCache kernel cannot move scale rows of "
-                f"{geometry.row_bytes} B (see the warning above); run without "
-                "--enable-hierarchical-cache."
-            )
+                f"the JIT kernel for scale rows of {geometry.row_bytes} B failed to "
+                f"build ({exc}); run without --enable-hierarchical-cache."
+            ) from exc
         return geometry
 
     def get_size_per_token(self) -> int:
@@ -271,89 +274,43 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return super().init_kv_buffer()
 
     def _init_scale_transfer(self, buffer_info: MHABufferInfo) -> None:
-        """Precompute every pointer table and stride the transfers use."""
+        """Precompute the kernel's pointer tables and strides."""
         geometry = self.scale_geometry
         device = self._transfer_device
         self.k_scale_host, self.v_scale_host = self.scale_host
 
-        def host_layers(host: torch.Tensor) -> torch.Tensor:
+        def host_layers(host: torch.Tensor) -> list[int]:
             # Layer l's rows start l * row_bytes into each host row group.
             views = [host[:, :, layer] for layer in range(self.layer_num)]
-            return make_kernel_ptr_table(
+            table = make_kernel_ptr_table(
                 views, device, host_memory_registered=self.pin_memory
             )
+            return table.tolist()
 
-        def device_layers(scales: Sequence[torch.Tensor]) -> torch.Tensor:
-            return make_kernel_ptr_table(
-                list(scales), device, host_memory_registered=False
-            )
+        def device_layers(scales: Sequence[torch.Tensor]) -> list[int]:
+            return [buf.data_ptr() for buf in scales]
 
-        host_k, host_v = host_layers(self.k_scale_host), host_layers(self.v_scale_host)
-        device_k = device_layers(buffer_info.scales.k)
-        device_v = device_layers(buffer_info.scales.v)
-        # (host K, host V, device K, device V) pointer tables: every layer for a
-        # backup, the target model's layers for a load.
-        self._all_layers = (host_k, host_v, device_k, device_v)
-        self._load_layers = tuple(t[: self.target_layer_num] for t in self._all_layers)
-        # A kernel index is the token index of a row's first token; per side, a
-        # token index times these strides is the row's byte offset in its layer.
+        layer_bases = (
+            host_layers(self.k_scale_host),
+            host_layers(self.v_scale_host),
+            device_layers(buffer_info.scales.k),
+            device_layers(buffer_info.scales.v),
+        )
+
+        def tables(layers: int) -> torch.Tensor:
+            # [4, layers] uint64: host K, host V, device K, device V.
+            bases = [side[:layers] for side in layer_bases]
+            return torch.tensor(bases, dtype=torch.uint64, device=device)
+
+        # Every layer for a backup, the target model's layers for a load.
+        self._backup_tables = tables(self.layer_num)
+        self._load_tables = tables(self.target_layer_num)
+        # A row's byte offset in its layer is its first token's index times
+        # these strides, on either side.
         self._row_tokens = geometry.row_tokens
         self._host_stride = self.layer_num * geometry.bytes_per_token
         self._device_stride = geometry.bytes_per_token
-        # The module transfer_hicache_all_layer() would pick for these rows (the
-        # register kernel: page_size=1 never selects TMA), looked up once. The
-        # wrapper repeats the lookup on every call, about 4 us, against the 8 to
-        # 21 us a one-page backup may add in all (docs/benchmarks.md).
-        self._launch_all_layer = hicache_jit._jit_hicache_module(
-            element_size=geometry.row_bytes,
-            unroll=hicache_jit._default_unroll(geometry.row_bytes),
-            block_quota=hicache_jit.DEFAULT_BLOCK_QUOTA,
-        ).launch_all
-
-    def _rows(
-        self, host_indices: torch.Tensor, device_indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kernel indices of a transfer: every ``row_tokens``-th token index, on the GPU.
-
-        Relies on what HiCache transfers are: whole pages, each as its token
-        indices in order. A load's indices are both on the GPU (one gather for
-        both, none when a row is one token). A backup's host indices are on the
-        CPU, where the payload's staged write-back reads them; they travel
-        through pinned memory, so the copy never waits for the stream.
-        """
-        step = self._row_tokens
-        if host_indices.device != device_indices.device:
-            host_rows = host_indices[::step].pin_memory()
-            host_rows = host_rows.to(device_indices.device, non_blocking=True)
-            return host_rows, device_indices[::step].contiguous()
-        if step == 1:
-            return host_indices, device_indices
-        host_rows, device_rows = torch.stack(
-            (host_indices[::step], device_indices[::step])
-        )
-        return host_rows, device_rows
-
-    def _move_scales(
-        self,
-        tables: tuple[torch.Tensor, ...],
-        *,
-        to_host: bool,
-        host_rows: torch.Tensor,
-        device_rows: torch.Tensor,
-    ) -> None:
-        """One launch: K and V scale rows of the layers in ``tables``."""
-        host_k, host_v, device_k, device_v = tables
-        host = (host_k, host_v, host_rows)
-        device = (device_k, device_v, device_rows)
-        # (K dst, V dst, rows dst, K src, V src, rows src, src stride, dst stride)
-        if to_host:
-            self._launch_all_layer(
-                *host, *device, self._device_stride, self._host_stride
-            )
-        else:
-            self._launch_all_layer(
-                *device, *host, self._host_stride, self._device_stride
-            )
+        self._scale_rows = scale_kernel.scale_rows_module(geometry.row_bytes)
 
     @staticmethod
     def _require_kernel_io(io_backend: str) -> None:
@@ -372,9 +329,14 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         super().backup_from_device_all_layer(
             device_pool, host_indices, device_indices, io_backend
         )
-        host_rows, device_rows = self._rows(host_indices, device_indices)
-        self._move_scales(
-            self._all_layers, to_host=True, host_rows=host_rows, device_rows=device_rows
+        self._scale_rows.backup(
+            self._backup_tables,
+            host_indices,
+            device_indices,
+            self._host_stride,
+            self._device_stride,
+            self._row_tokens,
+            self.page_size,
         )
 
     def load_to_device_per_layer(
@@ -393,7 +355,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         attention layers wait on count up), so all scales are on the device
         before the first event. One launch costs layer 0 the scales of the other
         layers, about 3 % of the transfer's bytes; more launches would cost
-        every small transfer a launch and an index gather each.
+        every small transfer a launch each (docs/benchmarks.md, split_load).
         """
         self._require_kernel_io(io_backend)
         super().load_to_device_per_layer(
@@ -405,12 +367,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             is_draft=is_draft,
         )
         if layer_id == 0:
-            host_rows, device_rows = self._rows(host_indices, device_indices)
-            self._move_scales(
-                self._load_layers,
-                to_host=False,
-                host_rows=host_rows,
-                device_rows=device_rows,
+            self._scale_rows.load(
+                self._load_tables,
+                host_indices,
+                device_indices,
+                self._host_stride,
+                self._device_stride,
+                self._row_tokens,
             )
 
     def destroy(self) -> None:
