@@ -1,14 +1,15 @@
 // MXFP8 HiCache: every layer's K and V scale rows of one transfer, in one launch.
 //
-// SGLang's all-layer copy (kvcacheio/hicache.cuh, hicache_transfer_all_layer)
-// with two differences, both to take the per-transfer index preparation off the
-// CPU:
+// SGLang's all-layer copy (kvcacheio/hicache.cuh, hicache_transfer_all_layer),
+// changed where that kernel makes small transfers cost more than their bytes:
 //   - indices are read with a step: a scale row is `row_tokens` tokens, and row
-//     i of a transfer starts at token indices[i * row_tokens];
+//     i of a transfer starts at token indices[i * row_tokens], so no index
+//     tensor is gathered first;
 //   - a backup's host indices live in pageable CPU memory (where the payload's
 //     staged write-back reads them). The wrapper reads the first token of each
 //     page there and passes it by value in the launch parameters, so nothing is
-//     uploaded and no buffer has to outlive the launch.
+//     uploaded and no buffer has to outlive the launch;
+//   - a worker moves one (row, layer), not one row through every layer.
 // The byte copy itself is SGLang's (device::load_vec / device::store_vec).
 
 #pragma once
@@ -32,63 +33,78 @@ using namespace sglang;
 
 // Pages per backup launch. 256 page starts are 2 KiB of the 4 KiB of kernel
 // parameters every CUDA version accepts; a larger backup takes several launches.
+// Backups of a few pages use a 16-page block, and loads (which read their host
+// indices on the GPU) a 1-entry one, so no launch ships kilobytes it ignores.
 inline constexpr uint32_t kMaxPagesPerLaunch = 256;
+inline constexpr uint32_t kFewPages = 16;
 
-struct ScaleRowParams {
+// What every launch of one pool and direction shares.
+struct ScaleRowShape {
   // [4, num_layers] layer base addresses: host K, host V, device K, device V.
   const uint64_t* __restrict__ tables;
-  const void* __restrict__ host_indices;    // load: token indices on the GPU
-  const void* __restrict__ device_indices;  // token indices on the GPU
-  int64_t host_stride;                      // bytes per token index, host side
-  int64_t device_stride;                    // bytes per token index, device side
+  int64_t host_stride;    // bytes per token index, host side
+  int64_t device_stride;  // bytes per token index, device side
   uint32_t row_tokens;
   uint32_t rows_per_page;
-  uint32_t num_rows;
   uint32_t num_layers;
-  int64_t host_page_starts[kMaxPagesPerLaunch];  // backup: first host token of each page
 };
 
-template <typename T, int64_t kRowBytes, uint32_t kUnroll, uint32_t kBlockQuota, uint32_t kBlockSize, bool kToHost>
-__global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(const __grid_constant__ ScaleRowParams params) {
+template <uint32_t kMaxPages>
+struct ScaleRowParams {
+  ScaleRowShape shape;
+  const void* __restrict__ host_indices;    // load: token indices on the GPU
+  const void* __restrict__ device_indices;  // token indices on the GPU
+  uint32_t num_rows;
+  int64_t host_page_starts[kMaxPages];  // backup: first host token of each page
+};
+
+// One worker per (row, layer), layers of a row on neighbouring workers: a
+// row's host bytes for all layers are one contiguous span, and no worker
+// walks the layers one dependent PCIe round trip after another (SGLang's
+// all-layer kernel gives a worker one row and all its layers).
+template <
+    typename T,
+    int64_t kRowBytes,
+    uint32_t kUnroll,
+    uint32_t kBlockQuota,
+    uint32_t kBlockSize,
+    bool kToHost,
+    uint32_t kMaxPages>
+__global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(
+    const __grid_constant__ ScaleRowParams<kMaxPages> params) {
   using namespace device;
   constexpr uint32_t kLanesPerWorker = copy_lanes_per_worker<kUnroll>();
   constexpr uint32_t kWorkersPerBlock = kBlockSize / kLanesPerWorker;
   constexpr uint32_t kNumWorkers = kWorkersPerBlock * kBlockQuota;
 
-  const uint32_t num_layers = params.num_layers;
-  const auto host_k = params.tables;
-  const auto host_v = host_k + num_layers;
-  const auto device_k = host_v + num_layers;
-  const auto device_v = device_k + num_layers;
-
+  const ScaleRowShape& shape = params.shape;
+  const uint32_t num_layers = shape.num_layers;
+  const uint32_t num_items = params.num_rows * num_layers;
   const uint32_t work_id = blockIdx.x * kWorkersPerBlock + threadIdx.x / kLanesPerWorker;
-  for (uint32_t i = work_id; i < params.num_rows; i += kNumWorkers) {
-    const int64_t device_pos = static_cast<const T*>(params.device_indices)[i * params.row_tokens];
+  for (uint32_t item = work_id; item < num_items; item += kNumWorkers) {
+    const uint32_t i = item / num_layers;
+    const uint32_t layer = item - i * num_layers;
+    const int64_t device_pos = static_cast<const T*>(params.device_indices)[i * shape.row_tokens];
     int64_t host_pos;
     if constexpr (kToHost) {
-      const uint32_t page = i / params.rows_per_page;
-      const uint32_t row = i - page * params.rows_per_page;
-      host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * params.row_tokens;
+      const uint32_t page = i / shape.rows_per_page;
+      const uint32_t row = i - page * shape.rows_per_page;
+      host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
     } else {
-      host_pos = static_cast<const T*>(params.host_indices)[i * params.row_tokens];
+      host_pos = static_cast<const T*>(params.host_indices)[i * shape.row_tokens];
     }
-    const int64_t host_offset = host_pos * params.host_stride;
-    const int64_t device_offset = device_pos * params.device_stride;
-    for (uint32_t layer = 0; layer < num_layers; ++layer) {
-      const auto host_k_row = reinterpret_cast<void*>(host_k[layer] + host_offset);
-      const auto host_v_row = reinterpret_cast<void*>(host_v[layer] + host_offset);
-      const auto device_k_row = reinterpret_cast<void*>(device_k[layer] + device_offset);
-      const auto device_v_row = reinterpret_cast<void*>(device_v[layer] + device_offset);
-      const auto src_k = kToHost ? device_k_row : host_k_row;
-      const auto src_v = kToHost ? device_v_row : host_v_row;
-      const auto dst_k = kToHost ? host_k_row : device_k_row;
-      const auto dst_v = kToHost ? host_v_row : device_v_row;
-      // Both loads before either store, as in hicache_transfer_all_layer.
-      const auto vec_k = load_vec<kRowBytes, kLanesPerWorker>(src_k);
-      const auto vec_v = load_vec<kRowBytes, kLanesPerWorker>(src_v);
-      store_vec<kRowBytes, kLanesPerWorker>(dst_k, vec_k);
-      store_vec<kRowBytes, kLanesPerWorker>(dst_v, vec_v);
-    }
+    const uint64_t* tables = shape.tables + layer;
+    const int64_t host_offset = host_pos * shape.host_stride;
+    const int64_t device_offset = device_pos * shape.device_stride;
+    const auto host_k = reinterpret_cast<void*>(tables[0] + host_offset);
+    const auto host_v = reinterpret_cast<void*>(tables[num_layers] + host_offset);
+    const auto device_k = reinterpret_cast<void*>(tables[2 * num_layers] + device_offset);
+    const auto device_v = reinterpret_cast<void*>(tables[3 * num_layers] + device_offset);
+    // Both loads before either store, as in hicache_transfer_all_layer.
+    const auto vec_k = load_vec<kRowBytes, kLanesPerWorker>(kToHost ? device_k : host_k);
+    const auto vec_v = load_vec<kRowBytes, kLanesPerWorker>(kToHost ? device_v : host_v);
+    store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_k : device_k, vec_k);
+    store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_v : device_v, vec_v);
   }
 }
 
@@ -96,14 +112,37 @@ template <int64_t kRowBytes, uint32_t kUnroll, uint32_t kBlockQuota, uint32_t kB
 struct ScaleRowKernel {
   static constexpr uint32_t kWorkersPerBlock = kBlockSize / device::copy_lanes_per_worker<kUnroll>();
 
-  template <typename T, bool kToHost>
-  static void launch(const ScaleRowParams& params, DLDevice device) {
-    if (params.num_rows == 0) {
+  template <typename T, bool kToHost, uint32_t kMaxPages>
+  static void launch(const ScaleRowParams<kMaxPages>& params, DLDevice device) {
+    const uint64_t num_items = uint64_t{params.num_rows} * params.shape.num_layers;
+    host::RuntimeCheck(num_items < (uint64_t{1} << 32), "MXFP8 scale rows: too many rows for one launch");
+    if (num_items == 0) {
       return;
     }
-    const auto num_blocks = std::min(host::div_ceil(params.num_rows, kWorkersPerBlock), kBlockQuota);
+    const auto num_blocks =
+        static_cast<uint32_t>(std::min<uint64_t>(host::div_ceil(num_items, uint64_t{kWorkersPerBlock}), kBlockQuota));
     host::LaunchKernel(num_blocks, kBlockSize, device)(
-        scale_rows_all_layer<T, kRowBytes, kUnroll, kBlockQuota, kBlockSize, kToHost>, params);
+        scale_rows_all_layer<T, kRowBytes, kUnroll, kBlockQuota, kBlockSize, kToHost, kMaxPages>, params);
+  }
+
+  template <uint32_t kMaxPages, typename T>
+  static void launch_backup(
+      const ScaleRowShape& shape,
+      const int64_t* host_tokens,
+      const T* device_tokens,
+      int64_t num_pages,
+      int64_t page_size,
+      DLDevice device) {
+    ScaleRowParams<kMaxPages> params{.shape = shape};
+    for (int64_t first = 0; first < num_pages; first += kMaxPages) {
+      const auto pages = std::min<int64_t>(num_pages - first, kMaxPages);
+      for (int64_t p = 0; p < pages; ++p) {
+        params.host_page_starts[p] = host_tokens[(first + p) * page_size];
+      }
+      params.device_indices = device_tokens + first * page_size;
+      params.num_rows = static_cast<uint32_t>(pages * shape.rows_per_page);
+      launch<T, true>(params, device);
+    }
   }
 
   // Device -> host. host_indices: CPU int64 token indices of whole host pages,
@@ -131,15 +170,6 @@ struct ScaleRowKernel {
 
     const auto host_tokens = static_cast<const int64_t*>(host_indices.data_ptr());
     const auto num_pages = N.unwrap() / page_size;
-    const auto use_int32 = dtype.unwrap().bits == 32;
-    const auto index_bytes = use_int32 ? sizeof(int32_t) : sizeof(int64_t);
-    ScaleRowParams params{};
-    params.tables = static_cast<const uint64_t*>(tables.data_ptr());
-    params.host_stride = host_stride;
-    params.device_stride = device_stride;
-    params.row_tokens = static_cast<uint32_t>(row_tokens);
-    params.rows_per_page = static_cast<uint32_t>(page_size / row_tokens);
-    params.num_layers = static_cast<uint32_t>(L.unwrap());
     // Every page is checked before the first launch, so a refused backup moves no scales.
     for (int64_t p = 0; p < num_pages; ++p) {
       const auto page_tokens = host_tokens + p * page_size;
@@ -154,18 +184,25 @@ struct ScaleRowKernel {
           start,
           ")");
     }
-    for (int64_t first = 0; first < num_pages; first += kMaxPagesPerLaunch) {
-      const auto pages = std::min<int64_t>(num_pages - first, kMaxPagesPerLaunch);
-      for (int64_t p = 0; p < pages; ++p) {
-        params.host_page_starts[p] = host_tokens[(first + p) * page_size];
-      }
-      params.device_indices = static_cast<const char*>(device_indices.data_ptr()) + first * page_size * index_bytes;
-      params.num_rows = static_cast<uint32_t>(pages * params.rows_per_page);
-      if (use_int32) {
-        launch<int32_t, true>(params, device.unwrap());
+    const auto shape = ScaleRowShape{
+        .tables = static_cast<const uint64_t*>(tables.data_ptr()),
+        .host_stride = host_stride,
+        .device_stride = device_stride,
+        .row_tokens = static_cast<uint32_t>(row_tokens),
+        .rows_per_page = static_cast<uint32_t>(page_size / row_tokens),
+        .num_layers = static_cast<uint32_t>(L.unwrap()),
+    };
+    const auto run = [&](const auto* device_tokens) {
+      if (num_pages <= kFewPages) {
+        launch_backup<kFewPages>(shape, host_tokens, device_tokens, num_pages, page_size, device.unwrap());
       } else {
-        launch<int64_t, true>(params, device.unwrap());
+        launch_backup<kMaxPagesPerLaunch>(shape, host_tokens, device_tokens, num_pages, page_size, device.unwrap());
       }
+    };
+    if (dtype.unwrap().bits == 32) {
+      run(static_cast<const int32_t*>(device_indices.data_ptr()));
+    } else {
+      run(static_cast<const int64_t*>(device_indices.data_ptr()));
     }
   }
 
@@ -190,16 +227,20 @@ struct ScaleRowKernel {
         .verify(device_indices);
     RuntimeCheck(row_tokens > 0 && N.unwrap() % row_tokens == 0, "MXFP8 scale load: indices must be whole rows");
 
-    ScaleRowParams params{};
-    params.tables = static_cast<const uint64_t*>(tables.data_ptr());
-    params.host_indices = host_indices.data_ptr();
-    params.device_indices = device_indices.data_ptr();
-    params.host_stride = host_stride;
-    params.device_stride = device_stride;
-    params.row_tokens = static_cast<uint32_t>(row_tokens);
-    params.rows_per_page = 1;
-    params.num_rows = static_cast<uint32_t>(N.unwrap() / row_tokens);
-    params.num_layers = static_cast<uint32_t>(L.unwrap());
+    const auto params = ScaleRowParams<1>{
+        .shape =
+            {
+                .tables = static_cast<const uint64_t*>(tables.data_ptr()),
+                .host_stride = host_stride,
+                .device_stride = device_stride,
+                .row_tokens = static_cast<uint32_t>(row_tokens),
+                .rows_per_page = 1,
+                .num_layers = static_cast<uint32_t>(L.unwrap()),
+            },
+        .host_indices = host_indices.data_ptr(),
+        .device_indices = device_indices.data_ptr(),
+        .num_rows = static_cast<uint32_t>(N.unwrap() / row_tokens),
+    };
     if (dtype.unwrap().bits == 32) {
       launch<int32_t, false>(params, device.unwrap());
     } else {
