@@ -192,7 +192,8 @@ class EmulatedKernels:
                 src_base + src_offsets[:, None] + span
             ]
 
-    def scale_rows_module(self, row_bytes: int):
+    def scale_rows_module(self, row_bytes: int, *, walk_layers: bool):
+        # walk_layers changes which worker moves a row, not the bytes moved.
         kernels = self
 
         def check_tables(tables) -> tuple[list[int], ...]:

@@ -272,7 +272,7 @@ def test_refuses_when_jit_kernel_unavailable(
 ):
     from sglang_mxfp8_hicache import scale_kernel
 
-    def no_compiler(row_bytes):
+    def no_compiler(row_bytes, *, walk_layers):
         raise RuntimeError("nvcc not found")
 
     monkeypatch.setattr(scale_kernel, "scale_rows_module", no_compiler)

@@ -8,6 +8,7 @@ from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 import scenarios
+from sglang_mxfp8_hicache.bench import ABLATIONS
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.selfcheck import (
     build_device_pool,
@@ -131,3 +132,16 @@ def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
         )
     assert getattr(seen["scale_host"], common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+@pytest.mark.parametrize("pages", [1, 300])
+def test_bench_ablations_round_trip_on_gpu(name, pages):
+    """What `bench --ablations` times moves the same bytes as ours."""
+    device_pool, host = pools(8, 128, pages, host_cls=ABLATIONS[name])
+    try:
+        result = round_trip(device_pool, host, pages=pages, seed=7)
+        assert result.payload_restored and result.scales_restored
+        assert result.host_untouched and result.device_untouched
+    finally:
+        host.destroy()

@@ -175,8 +175,15 @@ class NarrowRowsHost(MHATokenToKVPoolMXFP8Host):
     scale_min_row_bytes = 128
 
 
+class WalkLayersHost(MHATokenToKVPoolMXFP8Host):
+    """Ours with each kernel worker walking one row through every layer."""
+
+    scale_walk_layers = True
+
+
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "stock": StockKernelHost,
+    "walk_layers": WalkLayersHost,
     "v1": StagedScalesHost,
     "rows128": NarrowRowsHost,
 }

@@ -88,6 +88,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     scale_min_row_bytes: ClassVar[int] = SCALE_ROW_BYTES
     """Narrowest row of scales one kernel worker moves (see the geometry)."""
+    scale_walk_layers: ClassVar[bool] = False
+    """Whether a kernel worker walks a row through every layer (see the kernel)."""
 
     def __init__(
         self,
@@ -238,7 +240,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             min_row_bytes=cls.scale_min_row_bytes,
         )
         try:
-            scale_kernel.scale_rows_module(geometry.row_bytes)
+            scale_kernel.scale_rows_module(
+                geometry.row_bytes, walk_layers=cls.scale_walk_layers
+            )
         except Exception as exc:
             raise refuse(
                 f"the JIT kernel for scale rows of {geometry.row_bytes} B failed to "
@@ -310,7 +314,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self._row_tokens = geometry.row_tokens
         self._host_stride = self.layer_num * geometry.bytes_per_token
         self._device_stride = geometry.bytes_per_token
-        self._scale_rows = scale_kernel.scale_rows_module(geometry.row_bytes)
+        self._scale_rows = scale_kernel.scale_rows_module(
+            geometry.row_bytes, walk_layers=self.scale_walk_layers
+        )
 
     @staticmethod
     def _require_kernel_io(io_backend: str) -> None:

@@ -28,8 +28,11 @@ MAX_PAGES_PER_LAUNCH = 256
 
 
 @cache_once
-def scale_rows_module(row_bytes: int) -> Module:
+def scale_rows_module(row_bytes: int, *, walk_layers: bool) -> Module:
     """``backup`` and ``load`` entry points for rows of ``row_bytes`` bytes.
+
+    ``walk_layers``: a worker takes one row through every layer, as SGLang's
+    all-layer kernel does, rather than one (row, layer).
 
     backup(tables, host_indices, device_indices, host_stride, device_stride,
     row_tokens, page_size) and load(tables, host_indices, device_indices,
@@ -37,7 +40,11 @@ def scale_rows_module(row_bytes: int) -> Module:
     GPU tensor of layer base addresses (host K, host V, device K, device V).
     """
     args = make_cpp_args(
-        row_bytes, _default_unroll(row_bytes), DEFAULT_BLOCK_QUOTA, BLOCK_SIZE
+        row_bytes,
+        _default_unroll(row_bytes),
+        DEFAULT_BLOCK_QUOTA,
+        BLOCK_SIZE,
+        walk_layers,
     )
     kernel = f"&sglang_mxfp8_hicache::ScaleRowKernel<{args}>"
     return load_jit(

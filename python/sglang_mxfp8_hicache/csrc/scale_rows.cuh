@@ -9,7 +9,8 @@
 //     staged write-back reads them). The wrapper reads the first token of each
 //     page there and passes it by value in the launch parameters, so nothing is
 //     uploaded and no buffer has to outlive the launch;
-//   - a worker moves one (row, layer), not one row through every layer.
+//   - optionally (kWalkLayers = false), a worker moves one (row, layer), not
+//     one row through every layer.
 // The byte copy itself is SGLang's (device::load_vec / device::store_vec).
 
 #pragma once
@@ -58,57 +59,73 @@ struct ScaleRowParams {
   int64_t host_page_starts[kMaxPages];  // backup: first host token of each page
 };
 
-// One worker per (row, layer), layers of a row on neighbouring workers: a
-// row's host bytes for all layers are one contiguous span, and no worker
-// walks the layers one dependent PCIe round trip after another (SGLang's
-// all-layer kernel gives a worker one row and all its layers).
+// K and V of row i, layer `layer`: one worker's copy.
+template <typename T, int64_t kRowBytes, uint32_t kLanesPerWorker, bool kToHost, uint32_t kMaxPages>
+SGL_DEVICE void copy_scale_row(const ScaleRowParams<kMaxPages>& params, uint32_t i, uint32_t layer) {
+  using namespace device;
+  const ScaleRowShape& shape = params.shape;
+  const int64_t device_pos = static_cast<const T*>(params.device_indices)[i * shape.row_tokens];
+  int64_t host_pos;
+  if constexpr (kToHost) {
+    const uint32_t page = i / shape.rows_per_page;
+    const uint32_t row = i - page * shape.rows_per_page;
+    host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
+  } else {
+    host_pos = static_cast<const T*>(params.host_indices)[i * shape.row_tokens];
+  }
+  const uint32_t num_layers = shape.num_layers;
+  const uint64_t* tables = shape.tables + layer;
+  const int64_t host_offset = host_pos * shape.host_stride;
+  const int64_t device_offset = device_pos * shape.device_stride;
+  const auto host_k = reinterpret_cast<void*>(tables[0] + host_offset);
+  const auto host_v = reinterpret_cast<void*>(tables[num_layers] + host_offset);
+  const auto device_k = reinterpret_cast<void*>(tables[2 * num_layers] + device_offset);
+  const auto device_v = reinterpret_cast<void*>(tables[3 * num_layers] + device_offset);
+  // Both loads before either store, as in hicache_transfer_all_layer.
+  const auto vec_k = load_vec<kRowBytes, kLanesPerWorker>(kToHost ? device_k : host_k);
+  const auto vec_v = load_vec<kRowBytes, kLanesPerWorker>(kToHost ? device_v : host_v);
+  store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_k : device_k, vec_k);
+  store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_v : device_v, vec_v);
+}
+
+// kWalkLayers: a worker takes one row and walks its layers, as SGLang's
+// all-layer kernel does. Otherwise a worker takes one (row, layer), the layers
+// of a row on neighbouring workers, so no worker chains one PCIe round trip
+// per layer. Which is faster depends on the geometry (docs/benchmarks.md).
 template <
     typename T,
     int64_t kRowBytes,
     uint32_t kUnroll,
     uint32_t kBlockQuota,
     uint32_t kBlockSize,
+    bool kWalkLayers,
     bool kToHost,
     uint32_t kMaxPages>
 __global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(
     const __grid_constant__ ScaleRowParams<kMaxPages> params) {
-  using namespace device;
-  constexpr uint32_t kLanesPerWorker = copy_lanes_per_worker<kUnroll>();
+  constexpr uint32_t kLanesPerWorker = device::copy_lanes_per_worker<kUnroll>();
   constexpr uint32_t kWorkersPerBlock = kBlockSize / kLanesPerWorker;
   constexpr uint32_t kNumWorkers = kWorkersPerBlock * kBlockQuota;
+  constexpr auto copy = copy_scale_row<T, kRowBytes, kLanesPerWorker, kToHost, kMaxPages>;
 
-  const ScaleRowShape& shape = params.shape;
-  const uint32_t num_layers = shape.num_layers;
-  const uint32_t num_items = params.num_rows * num_layers;
+  const uint32_t num_layers = params.shape.num_layers;
   const uint32_t work_id = blockIdx.x * kWorkersPerBlock + threadIdx.x / kLanesPerWorker;
-  for (uint32_t item = work_id; item < num_items; item += kNumWorkers) {
-    const uint32_t i = item / num_layers;
-    const uint32_t layer = item - i * num_layers;
-    const int64_t device_pos = static_cast<const T*>(params.device_indices)[i * shape.row_tokens];
-    int64_t host_pos;
-    if constexpr (kToHost) {
-      const uint32_t page = i / shape.rows_per_page;
-      const uint32_t row = i - page * shape.rows_per_page;
-      host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
-    } else {
-      host_pos = static_cast<const T*>(params.host_indices)[i * shape.row_tokens];
+  if constexpr (kWalkLayers) {
+    for (uint32_t i = work_id; i < params.num_rows; i += kNumWorkers) {
+      for (uint32_t layer = 0; layer < num_layers; ++layer) {
+        copy(params, i, layer);
+      }
     }
-    const uint64_t* tables = shape.tables + layer;
-    const int64_t host_offset = host_pos * shape.host_stride;
-    const int64_t device_offset = device_pos * shape.device_stride;
-    const auto host_k = reinterpret_cast<void*>(tables[0] + host_offset);
-    const auto host_v = reinterpret_cast<void*>(tables[num_layers] + host_offset);
-    const auto device_k = reinterpret_cast<void*>(tables[2 * num_layers] + device_offset);
-    const auto device_v = reinterpret_cast<void*>(tables[3 * num_layers] + device_offset);
-    // Both loads before either store, as in hicache_transfer_all_layer.
-    const auto vec_k = load_vec<kRowBytes, kLanesPerWorker>(kToHost ? device_k : host_k);
-    const auto vec_v = load_vec<kRowBytes, kLanesPerWorker>(kToHost ? device_v : host_v);
-    store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_k : device_k, vec_k);
-    store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_v : device_v, vec_v);
+  } else {
+    const uint32_t num_items = params.num_rows * num_layers;
+    for (uint32_t item = work_id; item < num_items; item += kNumWorkers) {
+      const uint32_t i = item / num_layers;
+      copy(params, i, item - i * num_layers);
+    }
   }
 }
 
-template <int64_t kRowBytes, uint32_t kUnroll, uint32_t kBlockQuota, uint32_t kBlockSize>
+template <int64_t kRowBytes, uint32_t kUnroll, uint32_t kBlockQuota, uint32_t kBlockSize, bool kWalkLayers>
 struct ScaleRowKernel {
   static constexpr uint32_t kWorkersPerBlock = kBlockSize / device::copy_lanes_per_worker<kUnroll>();
 
@@ -116,13 +133,14 @@ struct ScaleRowKernel {
   static void launch(const ScaleRowParams<kMaxPages>& params, DLDevice device) {
     const uint64_t num_items = uint64_t{params.num_rows} * params.shape.num_layers;
     host::RuntimeCheck(num_items < (uint64_t{1} << 32), "MXFP8 scale rows: too many rows for one launch");
-    if (num_items == 0) {
+    const uint64_t num_workers = kWalkLayers ? params.num_rows : num_items;
+    if (num_workers == 0) {
       return;
     }
     const auto num_blocks =
-        static_cast<uint32_t>(std::min<uint64_t>(host::div_ceil(num_items, uint64_t{kWorkersPerBlock}), kBlockQuota));
+        static_cast<uint32_t>(std::min<uint64_t>(host::div_ceil(num_workers, uint64_t{kWorkersPerBlock}), kBlockQuota));
     host::LaunchKernel(num_blocks, kBlockSize, device)(
-        scale_rows_all_layer<T, kRowBytes, kUnroll, kBlockQuota, kBlockSize, kToHost, kMaxPages>, params);
+        scale_rows_all_layer<T, kRowBytes, kUnroll, kBlockQuota, kBlockSize, kWalkLayers, kToHost, kMaxPages>, params);
   }
 
   template <uint32_t kMaxPages, typename T>
