@@ -175,15 +175,15 @@ class NarrowRowsHost(MHATokenToKVPoolMXFP8Host):
     scale_min_row_bytes = 128
 
 
-class WalkLayersHost(MHATokenToKVPoolMXFP8Host):
-    """Ours with each kernel worker walking one row through every layer."""
+class LayerWorkersHost(MHATokenToKVPoolMXFP8Host):
+    """Ours with one kernel worker per (row, layer) instead of per row."""
 
-    scale_walk_layers = True
+    scale_walk_layers = False
 
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "stock": StockKernelHost,
-    "walk_layers": WalkLayersHost,
+    "layer_workers": LayerWorkersHost,
     "v1": StagedScalesHost,
     "rows128": NarrowRowsHost,
 }

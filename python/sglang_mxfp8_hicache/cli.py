@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ablations",
         default="",
         help="extra columns, ours with one choice undone: "
-        "stock (SGLang's kernel instead of ours), walk_layers, v1, rows128",
+        "stock (SGLang's kernel instead of ours), layer_workers, v1, rows128",
     )
     bench.add_argument("--warmup", type=int, default=3)
     bench.add_argument("--repeat", type=int, default=20)

@@ -88,8 +88,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     scale_min_row_bytes: ClassVar[int] = SCALE_ROW_BYTES
     """Narrowest row of scales one kernel worker moves (see the geometry)."""
-    scale_walk_layers: ClassVar[bool] = False
-    """Whether a kernel worker walks a row through every layer (see the kernel)."""
+    scale_walk_layers: ClassVar[bool] = True
+    """A kernel worker walks one row through every layer, as in SGLang's kernel;
+    one worker per (row, layer) measured slower on most backups (benchmarks.md)."""
 
     def __init__(
         self,

@@ -9,8 +9,8 @@
 //     staged write-back reads them). The wrapper reads the first token of each
 //     page there and passes it by value in the launch parameters, so nothing is
 //     uploaded and no buffer has to outlive the launch;
-//   - optionally (kWalkLayers = false), a worker moves one (row, layer), not
-//     one row through every layer.
+//   - on request (kWalkLayers = false, measured and not the default), a
+//     worker moves one (row, layer) rather than one row through every layer.
 // The byte copy itself is SGLang's (device::load_vec / device::store_vec).
 
 #pragma once
