@@ -240,7 +240,9 @@ class EmulatedKernels:
                 for indices in (host_indices, device_indices):
                     assert indices.dim() == 1 and indices.is_contiguous()
                 assert host_indices.numel() == device_indices.numel()
-                if not (row_tokens > 0 and page_size % row_tokens == 0):
+                if not (
+                    row_tokens > 0 and page_size > 0 and page_size % row_tokens == 0
+                ):
                     raise RuntimeError("MXFP8 scale backup: rows must tile a page")
                 if host_indices.numel() % page_size:
                     raise RuntimeError(
