@@ -45,6 +45,8 @@ from __future__ import annotations
 import torch
 from sglang.kernels.ops.kvcache import hicache as hicache_jit
 
+from sglang_mxfp8_hicache import scale_kernel
+
 
 class PointerMap:
     """Resolves uint64 addresses of a kernel pointer table inside registered tensors."""
@@ -264,7 +266,7 @@ class EmulatedKernels:
                     starts[:, None] + torch.arange(rows_per_page) * row_tokens
                 ).reshape(-1)
                 device_rows = device_indices.long()[::row_tokens].cpu()
-                for _ in range(0, pages.shape[0], 256):
+                for _ in range(0, pages.shape[0], scale_kernel.MAX_PAGES_PER_LAUNCH):
                     kernels.calls.append(("scale_rows_backup", row_bytes))
                 move(tables, host_rows, device_rows, host_stride, device_stride, True)
 
