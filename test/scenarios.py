@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_mxfp8_hicache.selfcheck import IO_BACKEND, fill_random, page_token_indices
+from sglang_mxfp8_hicache.tools.selfcheck import IO_BACKEND, fill_random, page_token_indices
 
 
 def backup_refuses_misaligned_host_page(device_pool, host) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from sglang_mxfp8_hicache.cli import main
+from sglang_mxfp8_hicache.tools.cli import main
 
 
 def test_size_table(capsys):
@@ -84,7 +84,7 @@ def test_bench_refuses_unknown_ablation(capsys):
 def test_check_command():
     """The README's main command, in a fresh process."""
     done = subprocess.run(
-        [sys.executable, "-m", "sglang_mxfp8_hicache.cli", "check", "--json"],
+        [sys.executable, "-m", "sglang_mxfp8_hicache.tools.cli", "check", "--json"],
         capture_output=True,
         text=True,
         timeout=600,

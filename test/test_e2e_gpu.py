@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mxfp8_hicache.e2e import SEQ_LENS, run_modes
+from sglang_mxfp8_hicache.tools.e2e import SEQ_LENS, run_modes
 
 pytestmark = pytest.mark.gpu
 

@@ -7,9 +7,9 @@ from sglang.kernels.ops.quantization.mxfp8_amd_gfx95 import (
     _mxfp8_e4m3_quantize_torch as sglang_reference_quantize,
 )
 
-from sglang_mxfp8_hicache.bench import Row
-from sglang_mxfp8_hicache.e2e import dequantize, token_scales, within_mxfp8_error
-from sglang_mxfp8_hicache.selfcheck import build_device_pool, fill_random
+from sglang_mxfp8_hicache.tools.bench import Row
+from sglang_mxfp8_hicache.tools.e2e import dequantize, token_scales, within_mxfp8_error
+from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool, fill_random
 
 
 def test_token_scales_match_sglang_reader():

@@ -12,12 +12,12 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 import scenarios
 from sglang_mxfp8_hicache import host_pool as host_pool_module
-from sglang_mxfp8_hicache.bench import ABLATIONS
+from sglang_mxfp8_hicache.tools.bench import ABLATIONS
 from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
     MXFP8HiCacheConfigError,
 )
-from sglang_mxfp8_hicache.selfcheck import (
+from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
     device_buffers,

@@ -25,7 +25,7 @@ def run_dispatch(order: str, **env: str) -> tuple[dict[str, str], str]:
     environ = {**os.environ, **env}
     environ.pop("SGLANG_PLUGINS", None)
     done = subprocess.run(
-        [sys.executable, "-m", "sglang_mxfp8_hicache.probe"]
+        [sys.executable, "-m", "sglang_mxfp8_hicache.tools.probe"]
         + (["--assembler-first"] if order == "assembler_first" else []),
         capture_output=True,
         text=True,

@@ -8,9 +8,9 @@ from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 import scenarios
-from sglang_mxfp8_hicache.bench import ABLATIONS
+from sglang_mxfp8_hicache.tools.bench import ABLATIONS
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-from sglang_mxfp8_hicache.selfcheck import (
+from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
     round_trip,

@@ -2,9 +2,9 @@
 
 One mode per process, because the plugin hook is process-wide:
 
-    python -m sglang_mxfp8_hicache.e2e --mode ours     # the plugin picks our class
-    python -m sglang_mxfp8_hicache.e2e --mode sglang   # plugin disabled: SGLang's own class
-    python -m sglang_mxfp8_hicache.e2e --mode plain    # payload-only MHATokenToKVPoolHost (0.5.16-0.5.20)
+    python -m sglang_mxfp8_hicache.tools.e2e --mode ours     # the plugin picks our class
+    python -m sglang_mxfp8_hicache.tools.e2e --mode sglang   # plugin disabled: SGLang's own class
+    python -m sglang_mxfp8_hicache.tools.e2e --mode plain    # payload-only MHATokenToKVPoolHost (0.5.16-0.5.20)
 
 Each builds what the scheduler builds for ``--kv-cache-dtype mxfp8
 --enable-hierarchical-cache`` (a published ServerArgs, a gloo group of size 1,
@@ -30,8 +30,8 @@ import threading
 
 import torch
 
-from sglang_mxfp8_hicache.selfcheck import PAGE_SIZE as PAGE
-from sglang_mxfp8_hicache.selfcheck import (
+from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE as PAGE
+from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     device_buffers,
     fill_random,
@@ -359,7 +359,7 @@ def run_modes(modes=MODES, timeout: float = 600) -> dict[str, dict]:
     verdicts = {}
     for mode in modes:
         done = subprocess.run(
-            [sys.executable, "-m", "sglang_mxfp8_hicache.e2e", "--mode", mode],
+            [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", "--mode", mode],
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -29,7 +29,7 @@ from sglang.kernels.ops.kvcache import hicache
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-from sglang_mxfp8_hicache.selfcheck import (
+from sglang_mxfp8_hicache.tools.selfcheck import (
     IO_BACKEND,
     PAGE_SIZE,
     build_device_pool,

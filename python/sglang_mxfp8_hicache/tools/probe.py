@@ -1,6 +1,6 @@
 """Which host pool class SGLang picks after loading its plugins, in this process.
 
-Run as ``python -m sglang_mxfp8_hicache.probe [--assembler-first]`` so that the
+Run as ``python -m sglang_mxfp8_hicache.tools.probe [--assembler-first]`` so that the
 answer comes from a fresh process, as in a scheduler: prints one JSON object
 ``{"<pool>/<lookup>": "<module>.<class>"}`` for an MXFP8 pool (page_size 128
 and 64), a bf16 pool and a plain fp8 pool, looked up through ``mha`` and through

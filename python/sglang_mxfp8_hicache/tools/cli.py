@@ -62,7 +62,7 @@ def _check_fresh_process() -> tuple[str, str]:
     if is_disabled():
         return FAIL, f"{DISABLE_ENV} is set: SGLang keeps its own host pool"
     done = subprocess.run(
-        [sys.executable, "-m", "sglang_mxfp8_hicache.probe"],
+        [sys.executable, "-m", "sglang_mxfp8_hicache.tools.probe"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -93,7 +93,7 @@ def _check_dispatch() -> tuple[str, str]:
     from sglang.srt.plugins import load_plugins
 
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.probe import device_buffer_info
+    from sglang_mxfp8_hicache.tools.probe import device_buffer_info
 
     load_plugins()
     from sglang.srt.mem_cache.pool_host import mha
@@ -122,7 +122,7 @@ def _check_round_trip() -> tuple[str, str]:
     if not torch.cuda.is_available():
         return SKIPPED, "no CUDA GPU here: the JIT transfer kernels need one"
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.selfcheck import (
+    from sglang_mxfp8_hicache.tools.selfcheck import (
         build_device_pool,
         build_host_pool,
         round_trip,
@@ -159,7 +159,7 @@ def _check_e2e() -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
-    from sglang_mxfp8_hicache.e2e import SEQ_LENS, run_modes
+    from sglang_mxfp8_hicache.tools.e2e import SEQ_LENS, run_modes
 
     verdicts = run_modes()
     errors = {
@@ -283,7 +283,7 @@ def cmd_size(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from sglang_mxfp8_hicache import bench
+    from sglang_mxfp8_hicache.tools import bench
 
     geometries = tuple(
         tuple(int(x) for x in g.split("x")) for g in args.geometries.split(",")
