@@ -68,3 +68,52 @@ def cpu_kernels(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(mha, "_is_cuda", True)
     monkeypatch.setattr(host_pool, "current_platform", platform)
     return kernels
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Where the pools live: the CPU with the kernel emulations, or a GPU with
+    SGLang's real JIT kernels and ours."""
+    if request.param == "cpu":
+        request.getfixturevalue("cpu_kernels")
+    return request.param
+
+
+@pytest.fixture
+def make_pools(device, request):
+    """Builds an MXFP8 device pool of ``2 * pages + 1`` pages and a host pool of
+    three quarters of it on ``device``; destroys the host pools afterwards."""
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+    from sglang_mxfp8_hicache.tools.selfcheck import (
+        build_device_pool,
+        build_host_pool,
+        device_buffers,
+    )
+
+    kernels = request.getfixturevalue("cpu_kernels") if device == "cpu" else None
+    hosts = []
+
+    def make(*, heads, head_dim, layers, pages, host_cls=MHATokenToKVPoolMXFP8Host):
+        device_pool = build_device_pool(
+            head_num=heads,
+            head_dim=head_dim,
+            layer_num=layers,
+            pages=2 * pages + 1,
+            device=device,
+        )
+        if kernels:
+            kernels.pointers.register(device_buffers(device_pool))
+        host = build_host_pool(
+            device_pool,
+            host_cls,
+            host_to_device_ratio=0.75,
+            pin_memory=device == "cuda",
+        )
+        hosts.append(host)
+        if kernels and isinstance(host, MHATokenToKVPoolMXFP8Host):
+            kernels.pointers.register([host.scale_host])
+        return device_pool, host
+
+    yield make
+    for host in hosts:
+        host.destroy()

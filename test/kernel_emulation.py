@@ -46,6 +46,7 @@ import torch
 from sglang.kernels.ops.kvcache import hicache as hicache_jit
 
 from sglang_mxfp8_hicache import scale_kernel
+from sglang_mxfp8_hicache.scale_kernel import check_transfer_pages
 
 
 class PointerMap:
@@ -194,36 +195,47 @@ class EmulatedKernels:
                 src_base + src_offsets[:, None] + span
             ]
 
-    def scale_rows_module(self, row_bytes: int, *, walk_layers: bool):
-        # walk_layers changes which worker moves a row, not the bytes moved.
+    def scale_rows_module(self, row_bytes: int):
+        # walk_layers changes which worker moves a chunk, not the bytes moved.
         kernels = self
 
-        def check_tables(tables) -> tuple[list[int], ...]:
+        def check(tables, host_indices, device_indices, row_tokens, page_size, what):
             assert tables.dtype == torch.uint64 and tables.is_contiguous()
             assert tables.dim() == 2 and tables.shape[0] == 4
+            assert device_indices.dtype in (torch.int32, torch.int64)
+            assert host_indices.dtype in (torch.int32, torch.int64)
+            for indices in (host_indices, device_indices):
+                assert indices.dim() == 1 and indices.is_contiguous()
+            assert host_indices.numel() == device_indices.numel()
+            if not (row_tokens > 0 and page_size > 0 and page_size % row_tokens == 0):
+                raise RuntimeError(f"{what}: chunks must tile a page")
             return tuple(tables.tolist())
 
         def move(tables, host_rows, device_rows, host_stride, device_stride, to_host):
-            host_k, host_v, device_k, device_v = check_tables(tables)
+            host_k, host_v, device_k, device_v = tables
             host_offsets = host_rows * host_stride
             device_offsets = device_rows * device_stride
             for host_bases, device_bases in ((host_k, device_k), (host_v, device_v)):
-                if to_host:
-                    kernels._copy_rows(
-                        device_bases,
-                        host_bases,
-                        device_offsets,
-                        host_offsets,
-                        row_bytes,
-                    )
-                else:
-                    kernels._copy_rows(
-                        host_bases,
-                        device_bases,
-                        host_offsets,
-                        device_offsets,
-                        row_bytes,
-                    )
+                src, dst = (
+                    (device_bases, host_bases)
+                    if to_host
+                    else (host_bases, device_bases)
+                )
+                offsets = (
+                    (device_offsets, host_offsets)
+                    if to_host
+                    else (host_offsets, device_offsets)
+                )
+                kernels._copy_rows(src, dst, *offsets, row_bytes)
+
+        def gpu_host_rows(host_indices, device_indices, row_tokens, what):
+            # On a GPU both sit on one device; here everything is on the CPU.
+            if host_indices.dtype != device_indices.dtype:
+                raise RuntimeError(
+                    f"{what}: host indices on the GPU must share the device "
+                    "indices' device and dtype"
+                )
+            return host_indices.long()[::row_tokens]
 
         class Module:
             @staticmethod
@@ -235,40 +247,39 @@ class EmulatedKernels:
                 device_stride,
                 row_tokens,
                 page_size,
+                walk_layers,
             ) -> None:
-                assert host_indices.device.type == "cpu"
-                assert host_indices.dtype == torch.int64
-                assert device_indices.dtype in (torch.int32, torch.int64)
-                for indices in (host_indices, device_indices):
-                    assert indices.dim() == 1 and indices.is_contiguous()
-                assert host_indices.numel() == device_indices.numel()
-                if not (
-                    row_tokens > 0 and page_size > 0 and page_size % row_tokens == 0
-                ):
-                    raise RuntimeError("MXFP8 scale backup: rows must tile a page")
-                if host_indices.numel() % page_size:
-                    raise RuntimeError(
-                        "MXFP8 scale backup: indices must be whole pages"
+                what = "MXFP8 scale backup"
+                bases = check(
+                    tables, host_indices, device_indices, row_tokens, page_size, what
+                )
+                # Without a GPU, host indices are always on the CPU: the
+                # page-start path. The GPU-index path runs on a GPU only.
+                host_on_cpu = host_indices.device.type == "cpu"
+                check_transfer_pages(
+                    host_indices, device_indices, page_size, what, host_runs=host_on_cpu
+                )
+                if host_on_cpu:
+                    # Each page's first token, from the CPU, in launch parameters.
+                    if host_indices.dtype != torch.int64:
+                        raise RuntimeError(
+                            f"{what}: host indices on the CPU must be int64"
+                        )
+                    starts = host_indices.view(-1, page_size)[:, 0]
+                    rows_per_page = page_size // row_tokens
+                    host_rows = (
+                        starts[:, None] + torch.arange(rows_per_page) * row_tokens
+                    ).reshape(-1)
+                    pages = starts.numel()
+                    for _ in range(0, pages, scale_kernel.MAX_PAGES_PER_LAUNCH):
+                        kernels.calls.append(("scale_rows_backup", row_bytes))
+                else:
+                    host_rows = gpu_host_rows(
+                        host_indices, device_indices, row_tokens, what
                     )
-                pages = host_indices.view(-1, page_size)
-                starts = pages[:, 0]
-                aligned = (starts >= 0) & (starts % page_size == 0)
-                runs = pages[:, -1] == starts + page_size - 1
-                bad = (~(aligned & runs)).nonzero().flatten().tolist()
-                if bad:
-                    raise RuntimeError(
-                        f"MXFP8 scale backup: host page {bad[0]} is not one aligned "
-                        f"run of {page_size} tokens (it starts at token "
-                        f"{int(starts[bad[0]])})"
-                    )
-                rows_per_page = page_size // row_tokens
-                host_rows = (
-                    starts[:, None] + torch.arange(rows_per_page) * row_tokens
-                ).reshape(-1)
-                device_rows = device_indices.long()[::row_tokens].cpu()
-                for _ in range(0, pages.shape[0], scale_kernel.MAX_PAGES_PER_LAUNCH):
                     kernels.calls.append(("scale_rows_backup", row_bytes))
-                move(tables, host_rows, device_rows, host_stride, device_stride, True)
+                device_rows = device_indices.long()[::row_tokens].cpu()
+                move(bases, host_rows, device_rows, host_stride, device_stride, True)
 
             @staticmethod
             def load(
@@ -278,18 +289,22 @@ class EmulatedKernels:
                 host_stride,
                 device_stride,
                 row_tokens,
+                page_size,
+                walk_layers,
             ) -> None:
-                assert host_indices.dtype == device_indices.dtype
-                assert host_indices.dtype in (torch.int32, torch.int64)
-                for indices in (host_indices, device_indices):
-                    assert indices.dim() == 1 and indices.is_contiguous()
-                assert host_indices.numel() == device_indices.numel()
-                if not (row_tokens > 0 and host_indices.numel() % row_tokens == 0):
-                    raise RuntimeError("MXFP8 scale load: indices must be whole rows")
+                what = "MXFP8 scale load"
+                bases = check(
+                    tables, host_indices, device_indices, row_tokens, page_size, what
+                )
+                check_transfer_pages(
+                    host_indices, device_indices, page_size, what, host_runs=False
+                )
+                host_rows = gpu_host_rows(
+                    host_indices, device_indices, row_tokens, what
+                )
                 kernels.calls.append(("scale_rows_load", row_bytes))
-                host_rows = host_indices.long()[::row_tokens]
                 device_rows = device_indices.long()[::row_tokens]
-                move(tables, host_rows, device_rows, host_stride, device_stride, False)
+                move(bases, host_rows, device_rows, host_stride, device_stride, False)
 
         return Module()
 

@@ -42,12 +42,26 @@ def test_dequantize_and_error_bound_catch_a_wrong_scale():
 
 
 def test_bench_goal_needs_ratio_and_not_slower_than_sglang():
-    row = Row(8, 128, 64, "backup", {"ours": 1.03, "sglang": 1.10, "payload": 1.0})
+    row = Row(8, 128, 8, 64, "backup", {"ours": 1.03, "sglang": 1.10, "payload": 1.0})
     assert row.goal() == 1.04 and row.meets_goal()
-    assert Row(8, 128, 16, "load", {"ours": 1.2, "payload": 1.0}).goal() == 1.25
-    assert Row(8, 128, 1, "load", {"ours": 1.2, "payload": 1.0}).goal() == 1.5
+    assert Row(8, 128, 8, 16, "load", {"ours": 1.2, "payload": 1.0}).goal() == 1.25
+    assert Row(8, 128, 8, 1, "load", {"ours": 1.2, "payload": 1.0}).goal() == 1.5
     # Within the ratio but slower than SGLang's own class: not met.
     assert not Row(
-        8, 128, 4, "backup", {"ours": 1.1, "sglang": 1.05, "payload": 1.0}
+        8, 128, 8, 4, "backup", {"ours": 1.1, "sglang": 1.05, "payload": 1.0}
     ).meets_goal()
-    assert not Row(8, 128, 64, "load", {"ours": 1.06, "payload": 1.0}).meets_goal()
+    assert not Row(8, 128, 8, 64, "load", {"ours": 1.06, "payload": 1.0}).meets_goal()
+
+
+def test_bench_layer0_goal():
+    """A load also needs layer 0 ready within 1.10x payload-only from 64 pages
+    and never later than SGLang's class."""
+    whole = {"ours": 1.0, "sglang": 1.1, "payload": 1.0}
+    fast = {"ours": 0.105, "sglang": 0.2, "payload": 0.1}
+    assert Row(8, 128, 80, 64, "load", whole, fast).meets_goal()
+    slow = {"ours": 0.12, "sglang": 0.2, "payload": 0.1}
+    assert not Row(8, 128, 80, 64, "load", whole, slow).meets_goal()
+    # Below 64 pages only SGLang's class bounds layer 0.
+    assert Row(8, 128, 80, 1, "load", whole, slow).meets_goal()
+    later = {"ours": 0.12, "sglang": 0.11, "payload": 0.1}
+    assert not Row(8, 128, 80, 1, "load", whole, later).meets_goal()

@@ -83,12 +83,30 @@ def test_register_is_idempotent(recorded_hooks):
     assert plugin.is_registered()
 
 
-def test_register_skips_unsupported_sglang(recorded_hooks, monkeypatch, caplog):
-    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.20")
+@pytest.mark.parametrize(
+    "version, level, says",
+    [
+        ("0.5.20", "ERROR", "back with wrong scales, silently"),
+        ("0.5.16", "ERROR", "run without --enable-hierarchical-cache"),
+        ("0.5.22", "WARNING", "SGLang picks its own host pool"),
+        ("0.6.0", "WARNING", "SGLang picks its own host pool"),
+    ],
+)
+def test_register_skips_unsupported_sglang(
+    recorded_hooks, monkeypatch, caplog, version, level, says
+):
+    """No hook outside the supported set; where SGLang has an MXFP8 device pool
+    but no MXFP8 host pool, an error naming the silent scale loss and both fixes."""
+    monkeypatch.setattr(plugin, "sglang_version", lambda: version)
     plugin.register()
     assert recorded_hooks == []
     assert not plugin.is_registered()
-    assert "found 0.5.20" in caplog.text
+    [record] = caplog.records
+    assert record.levelname == level
+    assert f"found {version}" in record.getMessage()
+    assert says in record.getMessage()
+    if level == "ERROR":
+        assert "Install sglang==0.5.23" in record.getMessage()
 
 
 def test_hook_passes_other_pools_to_original():

@@ -1,7 +1,7 @@
 """HiCache host pool for SGLang's MXFP8 KV cache: the fp8 payload plus its UE8M0 scales.
 
 Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128,
-s = H * D // 32 scale bytes per token, a row = k tokens, k * s >= 512 bytes):
+s = H * D // 32 scale bytes per token, chunks of k * s >= 512 bytes):
 
     device  k_buffer[l]        (tokens, H, D)                   fp8 e4m3  SGLang's MHATokenToKVPoolMXFP8
             k_scale_buffer[l]  (pages, H, 32, P // 32, D // 32) UE8M0     FA4 interleaved atom
@@ -9,18 +9,23 @@ s = H * D // 32 scale bytes per token, a row = k tokens, k * s >= 512 bytes):
     host    kv_buffer          (2, tokens, L, H, D)             fp8       MHATokenToKVPoolHost, page_first
             scale_host         (2, pages, P // k, L, k * s)     uint8     this class, K then V
 
-A page's scales are split into rows of k tokens. Device row j of page p starts
-at byte (p * P + j * k) * s of its layer; on the host the layers of a row sit
-side by side, so the same row of layer l starts at (p * P + j * k) * L * s + l * k * s.
-Both are a token index times a fixed stride per side, the addressing of SGLang's
-JIT all-layer kernel. Our kernel (``scale_kernel``, ``csrc/scale_rows.cuh``) is
-that copy reading every k-th token index of the transfer itself, so no index is
-prepared on the CPU:
+A page's scales are cut into P // k page chunks of k * s bytes. A chunk is not
+the scales of k tokens (the interleaved atom puts head 0's scales for all 128
+tokens first), but since a page is one contiguous run, chunk j of page p starts
+at byte (p * P + j * k) * s of its layer: the token index of the page's token
+j * k times s. On the host the layers of a chunk sit side by side, so the same
+chunk of layer l starts at (host token) * L * s + l * k * s. Both are a token
+index times a fixed stride per side, the addressing of SGLang's JIT all-layer
+kernel; our kernel (``scale_kernel``, ``csrc/scale_rows.cuh``) reads every k-th
+token index of the transfer itself, so no index is prepared on the CPU:
 
-    D2H  every layer in one launch (one per 256 pages), right after the
-         payload's staged write-back; each host page's first token index
-         travels in the launch parameters, as the payload reads it on the CPU
-    H2D  every layer in one launch, with layer 0, from the GPU index tensors
+    D2H  every layer in one launch (one per 256 pages), issued before the
+         payload, so that the CPU-side page checks refuse a bad backup before
+         any byte moves; host indices on the CPU (the staged write-back) or
+         on the GPU (without it)
+    H2D  layers in doubling groups (0 | 1 | 2-3 | 4-7 | ...), each group's
+         scales issued with its first layer: layer 0 waits for its own scales
+         only, and a load of L layers costs 1 + ceil(log2 L) launches
 
 The payload moves through the base class unchanged.
 """
@@ -44,6 +49,7 @@ from sglang.srt.utils import is_cuda, is_hip
 
 from sglang_mxfp8_hicache import scale_kernel
 from sglang_mxfp8_hicache.geometry import SCALE_ROW_BYTES, MXFP8ScaleGeometry
+from sglang_mxfp8_hicache.scale_kernel import ScaleKernelUnavailable, ScaleRowStrides
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
@@ -69,6 +75,15 @@ def configured_io_backend() -> str | None:
         return None
 
 
+def doubling_layer_groups(layer_num: int) -> list[range]:
+    """Layers 0 | 1 | 2-3 | 4-7 | ...: a load issues each group's scales with its
+    first layer. Layer 0 then waits for its own scales only, and every later
+    layer's scales are on the device before its payload (a load goes up from
+    layer 0), for 1 + ceil(log2 L) launches instead of one per layer."""
+    starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
+
+
 def _storage_unsupported(method: str) -> NotImplementedError:
     return NotImplementedError(
         f"MXFP8 HiCache host pool: {method} would move the fp8 payload without its "
@@ -80,17 +95,23 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     """MHA host pool that mirrors MXFP8 scale pages beside the fp8 payload.
 
     Adds the scale sidecar and nothing else: sizing counts the scale bytes, and
-    every transfer moves the scales of the same pages right after the payload,
-    on the same stream, so the controller's completion events cover both.
-    Transfers rely on what HiCache hands a pool: whole pages, each as its token
-    indices in order (the backup checks this for the host side on the CPU).
+    every transfer moves the scales of the same pages on the same stream as the
+    payload, so the controller's completion events cover both. Transfers rely
+    on what HiCache hands a pool: whole pages, each as its token indices in
+    order. What the CPU can see of that is checked before any byte moves (see
+    ``scale_kernel``).
     """
 
     scale_min_row_bytes: ClassVar[int] = SCALE_ROW_BYTES
-    """Narrowest row of scales one kernel worker moves (see the geometry)."""
-    scale_walk_layers: ClassVar[bool] = True
-    """A kernel worker walks one row through every layer, as in SGLang's kernel;
-    one worker per (row, layer) measured slower on most backups (benchmarks.md)."""
+    """Narrowest page chunk one kernel worker moves (see the geometry)."""
+    prefer_own_scale_kernel: ClassVar[bool] = True
+    """Our kernel if it builds; SGLang's all-layer kernel otherwise (or if False)."""
+    backup_walks_layers: ClassVar[bool] = True
+    """A backup's kernel worker takes one chunk through every layer, as SGLang's
+    kernel does: faster than a worker per (chunk, layer) on large backups."""
+    load_walks_layers: ClassVar[bool] = False
+    """A load group's kernel worker takes one (chunk, layer): groups are short
+    and a small load has few chunks, so walking chains PCIe round trips."""
 
     def __init__(
         self,
@@ -122,6 +143,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             draft_buffer_infos=draft_buffer_infos,
             pool_label=pool_label,
         )
+        try:
+            self._scale_kernel = scale_kernel.build_scale_kernel(
+                self.scale_geometry.row_bytes,
+                pool_label=pool_label,
+                prefer_ours=self.prefer_own_scale_kernel,
+            )
+        except ScaleKernelUnavailable as exc:
+            raise MXFP8HiCacheConfigError(
+                f"{pool_label}: MXFP8 HiCache: {exc}; run without "
+                "--enable-hierarchical-cache."
+            ) from exc
         self.scale_host: torch.Tensor | None = None
         try:
             super().__init__(
@@ -149,15 +181,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         scale_bytes = self.scale_host.numel()
         logger.info(
             "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
-            "(%d B per page and layer for each of K and V), moved in rows of %d B "
-            "(%d tokens) by one scale-row JIT launch per transfer.",
+            "(%d B per page and layer for each of K and V), moved in page chunks "
+            "of %d B by %s; loads in %d layer groups.",
             pool_label,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
             scale_bytes / 1e9,
             self.scale_geometry.page_bytes,
             self.scale_geometry.row_bytes,
-            self.scale_geometry.row_tokens,
+            self._scale_kernel.name,
+            len(self._load_group_tables),
         )
 
     @classmethod
@@ -232,7 +265,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "device KV rows are strided (a unified KV pool), which the MXFP8 "
                 "device pool never builds; run without --enable-hierarchical-cache."
             )
-        geometry = MXFP8ScaleGeometry.from_device_scales(
+        return MXFP8ScaleGeometry.from_device_scales(
             scales.k[0],
             scales.v[0],
             head_num=buffer_info.head_num,
@@ -240,16 +273,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             page_size=buffer_info.page_size,
             min_row_bytes=cls.scale_min_row_bytes,
         )
-        try:
-            scale_kernel.scale_rows_module(
-                geometry.row_bytes, walk_layers=cls.scale_walk_layers
-            )
-        except Exception as exc:
-            raise refuse(
-                f"the JIT kernel for scale rows of {geometry.row_bytes} B failed to "
-                f"build ({exc}); run without --enable-hierarchical-cache."
-            ) from exc
-        return geometry
 
     def get_size_per_token(self) -> int:
         return (
@@ -278,6 +301,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
         return super().init_kv_buffer()
 
+    def _load_layer_groups(self) -> list[range]:
+        return doubling_layer_groups(self.target_layer_num)
+
     def _init_scale_transfer(self, buffer_info: MHABufferInfo) -> None:
         """Precompute the kernel's pointer tables and strides."""
         geometry = self.scale_geometry
@@ -302,21 +328,24 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             device_layers(buffer_info.scales.v),
         )
 
-        def tables(layers: int) -> torch.Tensor:
+        def tables(layers: range) -> torch.Tensor:
             # [4, layers] uint64: host K, host V, device K, device V.
-            bases = [side[:layers] for side in layer_bases]
+            bases = [side[layers.start : layers.stop] for side in layer_bases]
             return torch.tensor(bases, dtype=torch.uint64, device=device)
 
-        # Every layer for a backup, the target model's layers for a load.
-        self._backup_tables = tables(self.layer_num)
-        self._load_tables = tables(self.target_layer_num)
-        # A row's byte offset in its layer is its first token's index times
-        # these strides, on either side.
-        self._row_tokens = geometry.row_tokens
-        self._host_stride = self.layer_num * geometry.bytes_per_token
-        self._device_stride = geometry.bytes_per_token
-        self._scale_rows = scale_kernel.scale_rows_module(
-            geometry.row_bytes, walk_layers=self.scale_walk_layers
+        # Every layer for a backup; for a load, each group of the target
+        # model's layers, keyed by the layer it is issued with.
+        self._backup_tables = tables(range(self.layer_num))
+        self._load_group_tables = {
+            group.start: tables(group) for group in self._load_layer_groups()
+        }
+        # A chunk's byte offset in its layer is a token index times these
+        # strides, on either side.
+        self._scale_strides = ScaleRowStrides(
+            host_stride=self.layer_num * geometry.bytes_per_token,
+            device_stride=geometry.bytes_per_token,
+            row_tokens=geometry.row_tokens,
+            page_size=self.page_size,
         )
 
     @staticmethod
@@ -332,18 +361,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self, device_pool, host_indices, device_indices, io_backend
     ) -> None:
         self._require_kernel_io(io_backend)
-        # Payload first: the work below then overlaps its copy instead of delaying it.
-        super().backup_from_device_all_layer(
-            device_pool, host_indices, device_indices, io_backend
-        )
-        self._scale_rows.backup(
+        # Scales first: their CPU-side checks refuse a bad backup before any
+        # byte moves, and the kernel runs while the payload's work is issued.
+        self._scale_kernel.backup(
             self._backup_tables,
             host_indices,
             device_indices,
-            self._host_stride,
-            self._device_stride,
-            self._row_tokens,
-            self.page_size,
+            self._scale_strides,
+            walk_layers=self.backup_walks_layers,
+        )
+        super().backup_from_device_all_layer(
+            device_pool, host_indices, device_indices, io_backend
         )
 
     def load_to_device_per_layer(
@@ -356,15 +384,23 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         *,
         is_draft: bool = False,
     ) -> None:
-        """Payload per layer as the base class does; every layer's scales with layer 0.
+        """Payload per layer as the base class does; scales per layer group.
 
-        A transfer loads its layers in order from 0 (the layer-done events the
-        attention layers wait on count up), so all scales are on the device
-        before the first event. One launch costs layer 0 the scales of the other
-        layers, about 3 % of the transfer's bytes; more launches would cost
-        every small transfer a launch each (docs/benchmarks.md, split_load).
+        SGLang's transfer engine loads a transfer's layers in order from 0 (the
+        layer-done events the attention layers wait on count up), so a group's
+        scales, issued before the payload of its first layer, are on the device
+        before any of its layers' events (see ``doubling_layer_groups``).
         """
         self._require_kernel_io(io_backend)
+        group_tables = self._load_group_tables.get(layer_id)
+        if group_tables is not None:
+            self._scale_kernel.load(
+                group_tables,
+                host_indices,
+                device_indices,
+                self._scale_strides,
+                walk_layers=self.load_walks_layers,
+            )
         super().load_to_device_per_layer(
             device_pool,
             host_indices,
@@ -373,15 +409,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             io_backend,
             is_draft=is_draft,
         )
-        if layer_id == 0:
-            self._scale_rows.load(
-                self._load_tables,
-                host_indices,
-                device_indices,
-                self._host_stride,
-                self._device_stride,
-                self._row_tokens,
-            )
 
     def destroy(self) -> None:
         if not getattr(self, "_destroyed", False) and self.scale_host is not None:

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "SGLANG_MXFP8_HICACHE_DISABLE"
 HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+FIRST_SGLANG_MXFP8_HOST = "0.5.21"
+"""The first release with an MXFP8 HiCache host pool of its own; older ones
+(0.5.16-0.5.20 have the MXFP8 device pool) restore pages with stale scales."""
 
 _registered = False
 _logged_choices: set[tuple[str, str]] = set()
@@ -89,6 +92,39 @@ def select_host_pool_cls(
     return chosen
 
 
+def _log_unsupported(found: str | None) -> None:
+    """No hook on an unsupported SGLang; on one without an MXFP8 host pool of its
+    own, that means silent scale loss, so say so as an error."""
+    supported = " / ".join(SUPPORTED_SGLANG_VERSIONS)
+    if found is not None and _release(found) < _release(FIRST_SGLANG_MXFP8_HOST):
+        logger.error(
+            "sglang-mxfp8-hicache supports sglang %s, found %s: not installing the "
+            "MXFP8 host pool hook. sglang %s has an MXFP8 KV pool but no MXFP8 HiCache "
+            "host pool: with --kv-cache-dtype mxfp8 --enable-hierarchical-cache its "
+            "host pool backs up the fp8 payload without the scales, and pages come "
+            "back with wrong scales, silently. Install sglang==%s, or run without "
+            "--enable-hierarchical-cache.",
+            supported,
+            found,
+            found,
+            SUPPORTED_SGLANG_VERSIONS[-1],
+        )
+        return
+    logger.warning(
+        "sglang-mxfp8-hicache supports sglang %s, found %s; not installing the "
+        "MXFP8 host pool hook (SGLang picks its own host pool).",
+        supported,
+        found,
+    )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(0, 5, 20) from '0.5.20', '0.5.20.post1' or '0.5.20rc0'."""
+    from packaging.version import Version
+
+    return Version(version).release
+
+
 def register() -> None:
     """Entry point of group ``sglang.srt.plugins``; idempotent."""
     global _registered
@@ -102,12 +138,7 @@ def register() -> None:
         return
     found = sglang_version()
     if found not in SUPPORTED_SGLANG_VERSIONS:
-        logger.warning(
-            "sglang-mxfp8-hicache supports sglang %s, found %s; not installing the "
-            "MXFP8 host pool hook.",
-            " / ".join(SUPPORTED_SGLANG_VERSIONS),
-            found,
-        )
+        _log_unsupported(found)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

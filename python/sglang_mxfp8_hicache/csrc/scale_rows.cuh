@@ -1,17 +1,22 @@
-// MXFP8 HiCache: every layer's K and V scale rows of one transfer, in one launch.
+// MXFP8 HiCache: the K and V scale chunks of one transfer, for a run of layers,
+// in one launch.
 //
 // SGLang's all-layer copy (kvcacheio/hicache.cuh, hicache_transfer_all_layer),
 // changed where that kernel makes small transfers cost more than their bytes:
-//   - indices are read with a step: a scale row is `row_tokens` tokens, and row
-//     i of a transfer starts at token indices[i * row_tokens], so no index
-//     tensor is gathered first;
-//   - a backup's host indices live in pageable CPU memory (where the payload's
-//     staged write-back reads them). The wrapper reads the first token of each
-//     page there and passes it by value in the launch parameters, so nothing is
-//     uploaded and no buffer has to outlive the launch;
-//   - on request (kWalkLayers = false, measured and not the default), a
-//     worker moves one (row, layer) rather than one row through every layer.
+//   - indices are read with a step: a page's scales are cut into chunks the size
+//     of `row_tokens` tokens' scales, and chunk i of a transfer starts at token
+//     indices[i * row_tokens] times the stride, so no index tensor is gathered;
+//   - a backup's host indices may live in pageable CPU memory (where the
+//     payload's staged write-back reads them). The wrapper then reads the first
+//     token of each page there and passes it by value in the launch parameters,
+//     so nothing is uploaded and no buffer has to outlive the launch;
+//   - `walk_layers` picks the work split: a worker takes one chunk through
+//     every layer (SGLang's shape, kept for backups) or one (chunk, layer)
+//     (loads, whose layer groups are short and whose chunks are few).
 // The byte copy itself is SGLang's (device::load_vec / device::store_vec).
+//
+// Both wrappers check on the CPU, before anything is launched, that the
+// transfer is whole pages, and a backup's CPU host indices page by page.
 
 #pragma once
 
@@ -32,10 +37,11 @@ namespace sglang_mxfp8_hicache {
 
 using namespace sglang;
 
-// Pages per backup launch. 256 page starts are 2 KiB of the 4 KiB of kernel
-// parameters every CUDA version accepts; a larger backup takes several launches.
-// Backups of a few pages use a 16-page block, and loads (which read their host
-// indices on the GPU) a 1-entry one, so no launch ships kilobytes it ignores.
+// Pages per backup launch with CPU host indices. 256 page starts are 2 KiB of
+// the 4 KiB of kernel parameters every CUDA version accepts; a larger backup
+// takes several launches. Backups of a few pages use a 16-page block, and
+// transfers that read their host indices on the GPU a 1-entry one, so no
+// launch ships kilobytes it ignores.
 inline constexpr uint32_t kMaxPagesPerLaunch = 256;
 inline constexpr uint32_t kFewPages = 16;
 
@@ -48,25 +54,26 @@ struct ScaleRowShape {
   uint32_t row_tokens;
   uint32_t rows_per_page;
   uint32_t num_layers;
+  bool walk_layers;
 };
 
 template <uint32_t kMaxPages>
 struct ScaleRowParams {
   ScaleRowShape shape;
-  const void* __restrict__ host_indices;    // load: token indices on the GPU
+  const void* __restrict__ host_indices;    // token indices on the GPU, or null
   const void* __restrict__ device_indices;  // token indices on the GPU
   uint32_t num_rows;
-  int64_t host_page_starts[kMaxPages];  // backup: first host token of each page
+  int64_t host_page_starts[kMaxPages];  // first host token of each page, if host_indices is null
 };
 
-// K and V of row i, layer `layer`: one worker's copy.
-template <typename T, int64_t kRowBytes, uint32_t kLanesPerWorker, bool kToHost, uint32_t kMaxPages>
+// K and V of chunk i, layer `layer`: one worker's copy.
+template <typename T, int64_t kRowBytes, uint32_t kLanesPerWorker, bool kToHost, bool kHostStarts, uint32_t kMaxPages>
 SGL_DEVICE void copy_scale_row(const ScaleRowParams<kMaxPages>& params, uint32_t i, uint32_t layer) {
   using namespace device;
   const ScaleRowShape& shape = params.shape;
   const int64_t device_pos = static_cast<const T*>(params.device_indices)[i * shape.row_tokens];
   int64_t host_pos;
-  if constexpr (kToHost) {
+  if constexpr (kHostStarts) {
     const uint32_t page = i / shape.rows_per_page;
     const uint32_t row = i - page * shape.rows_per_page;
     host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
@@ -88,35 +95,33 @@ SGL_DEVICE void copy_scale_row(const ScaleRowParams<kMaxPages>& params, uint32_t
   store_vec<kRowBytes, kLanesPerWorker>(kToHost ? host_v : device_v, vec_v);
 }
 
-// kWalkLayers: a worker takes one row and walks its layers, as SGLang's
-// all-layer kernel does. Otherwise a worker takes one (row, layer), the layers
-// of a row on neighbouring workers, so no worker chains one PCIe round trip
-// per layer. Which is faster depends on the geometry (docs/benchmarks.md).
 template <
     typename T,
     int64_t kRowBytes,
     uint32_t kUnroll,
     uint32_t kBlockQuota,
     uint32_t kBlockSize,
-    bool kWalkLayers,
     bool kToHost,
+    bool kHostStarts,
     uint32_t kMaxPages>
 __global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(
     const __grid_constant__ ScaleRowParams<kMaxPages> params) {
   constexpr uint32_t kLanesPerWorker = device::copy_lanes_per_worker<kUnroll>();
   constexpr uint32_t kWorkersPerBlock = kBlockSize / kLanesPerWorker;
   constexpr uint32_t kNumWorkers = kWorkersPerBlock * kBlockQuota;
-  constexpr auto copy = copy_scale_row<T, kRowBytes, kLanesPerWorker, kToHost, kMaxPages>;
+  constexpr auto copy = copy_scale_row<T, kRowBytes, kLanesPerWorker, kToHost, kHostStarts, kMaxPages>;
 
   const uint32_t num_layers = params.shape.num_layers;
   const uint32_t work_id = blockIdx.x * kWorkersPerBlock + threadIdx.x / kLanesPerWorker;
-  if constexpr (kWalkLayers) {
+  if (params.shape.walk_layers) {
     for (uint32_t i = work_id; i < params.num_rows; i += kNumWorkers) {
       for (uint32_t layer = 0; layer < num_layers; ++layer) {
         copy(params, i, layer);
       }
     }
   } else {
+    // The layers of a chunk on neighbouring workers: no worker chains one PCIe
+    // round trip per layer.
     const uint32_t num_items = params.num_rows * num_layers;
     for (uint32_t item = work_id; item < num_items; item += kNumWorkers) {
       const uint32_t i = item / num_layers;
@@ -125,26 +130,27 @@ __global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(
   }
 }
 
-template <int64_t kRowBytes, uint32_t kUnroll, uint32_t kBlockQuota, uint32_t kBlockSize, bool kWalkLayers>
+template <int64_t kRowBytes, uint32_t kUnroll, uint32_t kBlockQuota, uint32_t kBlockSize>
 struct ScaleRowKernel {
   static constexpr uint32_t kWorkersPerBlock = kBlockSize / device::copy_lanes_per_worker<kUnroll>();
 
-  template <typename T, bool kToHost, uint32_t kMaxPages>
+  template <typename T, bool kToHost, bool kHostStarts, uint32_t kMaxPages>
   static void launch(const ScaleRowParams<kMaxPages>& params, DLDevice device) {
     const uint64_t num_items = uint64_t{params.num_rows} * params.shape.num_layers;
     host::RuntimeCheck(num_items < (uint64_t{1} << 32), "MXFP8 scale rows: too many rows for one launch");
-    const uint64_t num_workers = kWalkLayers ? params.num_rows : num_items;
+    const uint64_t num_workers = params.shape.walk_layers ? params.num_rows : num_items;
     if (num_workers == 0) {
       return;
     }
     const auto num_blocks =
         static_cast<uint32_t>(std::min<uint64_t>(host::div_ceil(num_workers, uint64_t{kWorkersPerBlock}), kBlockQuota));
     host::LaunchKernel(num_blocks, kBlockSize, device)(
-        scale_rows_all_layer<T, kRowBytes, kUnroll, kBlockQuota, kBlockSize, kWalkLayers, kToHost, kMaxPages>, params);
+        scale_rows_all_layer<T, kRowBytes, kUnroll, kBlockQuota, kBlockSize, kToHost, kHostStarts, kMaxPages>, params);
   }
 
+  // Host indices on the CPU: each page's first token in the launch parameters.
   template <uint32_t kMaxPages, typename T>
-  static void launch_backup(
+  static void launch_backup_from_page_starts(
       const ScaleRowShape& shape,
       const int64_t* host_tokens,
       const T* device_tokens,
@@ -159,13 +165,77 @@ struct ScaleRowKernel {
       }
       params.device_indices = device_tokens + first * page_size;
       params.num_rows = static_cast<uint32_t>(pages * shape.rows_per_page);
-      launch<T, true>(params, device);
+      launch<T, true, true>(params, device);
     }
   }
 
-  // Device -> host. host_indices: CPU int64 token indices of whole host pages,
-  // each page one ascending run from a multiple of page_size (as the host pool
-  // allocates them; SGLang's staged write-back reads only each page's first).
+  // Shared checks of both directions; returns the shape of the launch.
+  static ScaleRowShape check(
+      const tvm::ffi::TensorView tables,
+      const tvm::ffi::TensorView host_indices,
+      const tvm::ffi::TensorView device_indices,
+      const int64_t host_stride,
+      const int64_t device_stride,
+      const int64_t row_tokens,
+      const int64_t page_size,
+      const bool walk_layers,
+      const char* what) {
+    using namespace host;
+    auto L = SymbolicSize{"num_layers"};
+    auto N = SymbolicSize{"indices length"};
+    TensorMatcher({4, L}).with_dtype<uint64_t>().with_device<kDLGPU>().verify(tables);
+    TensorMatcher({N}).with_dtype<int32_t, int64_t>().with_device<kDLGPU>().verify(device_indices);
+    TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(host_indices);
+    RuntimeCheck(row_tokens > 0 && page_size > 0 && page_size % row_tokens == 0, what, ": chunks must tile a page");
+    RuntimeCheck(
+        N.unwrap() % page_size == 0,
+        what,
+        ": ",
+        N.unwrap(),
+        " token indices are not whole pages of ",
+        page_size,
+        " tokens");
+    return ScaleRowShape{
+        .tables = static_cast<const uint64_t*>(tables.data_ptr()),
+        .host_stride = host_stride,
+        .device_stride = device_stride,
+        .row_tokens = static_cast<uint32_t>(row_tokens),
+        .rows_per_page = static_cast<uint32_t>(page_size / row_tokens),
+        .num_layers = static_cast<uint32_t>(L.unwrap()),
+        .walk_layers = walk_layers,
+    };
+  }
+
+  // Host indices on the GPU (every load; a backup without the staged write-back).
+  template <bool kToHost>
+  static void launch_from_gpu_indices(
+      const ScaleRowShape& shape,
+      const tvm::ffi::TensorView host_indices,
+      const tvm::ffi::TensorView device_indices,
+      const char* what) {
+    using namespace host;
+    RuntimeCheck(
+        host_indices.device().device_type == device_indices.device().device_type &&
+            host_indices.device().device_id == device_indices.device().device_id &&
+            host_indices.dtype() == device_indices.dtype(),
+        what,
+        ": host indices on the GPU must share the device indices' device and dtype");
+    const auto params = ScaleRowParams<1>{
+        .shape = shape,
+        .host_indices = host_indices.data_ptr(),
+        .device_indices = device_indices.data_ptr(),
+        .num_rows = static_cast<uint32_t>(device_indices.shape()[0] / shape.row_tokens),
+    };
+    if (device_indices.dtype().bits == 32) {
+      launch<int32_t, kToHost, false>(params, device_indices.device());
+    } else {
+      launch<int64_t, kToHost, false>(params, device_indices.device());
+    }
+  }
+
+  // Device -> host, for the layers in `tables`. host_indices: whole host pages,
+  // on the CPU (int64, each page one ascending run from a multiple of
+  // page_size, as the host pool allocates them; checked here) or on the GPU.
   static void backup(
       const tvm::ffi::TensorView tables,
       const tvm::ffi::TensorView host_indices,
@@ -173,28 +243,28 @@ struct ScaleRowKernel {
       const int64_t host_stride,
       const int64_t device_stride,
       const int64_t row_tokens,
-      const int64_t page_size) {
+      const int64_t page_size,
+      const bool walk_layers) {
     using namespace host;
-    auto L = SymbolicSize{"num_layers"};
-    auto N = SymbolicSize{"indices length"};
-    auto dtype = SymbolicDType{};
-    auto device = SymbolicDevice{};
-    TensorMatcher({4, L}).with_dtype<uint64_t>().with_device<kDLGPU>(device).verify(tables);
-    TensorMatcher({N}).with_dtype<int32_t, int64_t>(dtype).with_device<kDLGPU>(device).verify(device_indices);
-    TensorMatcher({N}).with_dtype<int64_t>().with_device<kDLCPU, kDLGPUHost>().verify(host_indices);
-    RuntimeCheck(
-        row_tokens > 0 && page_size > 0 && page_size % row_tokens == 0, "MXFP8 scale backup: rows must tile a page");
-    RuntimeCheck(N.unwrap() % page_size == 0, "MXFP8 scale backup: indices must be whole pages");
-
+    constexpr auto what = "MXFP8 scale backup";
+    const auto shape = check(
+        tables, host_indices, device_indices, host_stride, device_stride, row_tokens, page_size, walk_layers, what);
+    const auto host_device = host_indices.device().device_type;
+    if (host_device != kDLCPU && host_device != kDLCUDAHost) {
+      launch_from_gpu_indices<true>(shape, host_indices, device_indices, what);
+      return;
+    }
+    RuntimeCheck(host_indices.dtype().bits == 64, what, ": host indices on the CPU must be int64");
     const auto host_tokens = static_cast<const int64_t*>(host_indices.data_ptr());
-    const auto num_pages = N.unwrap() / page_size;
+    const auto num_pages = device_indices.shape()[0] / page_size;
     // Every page is checked before the first launch, so a refused backup moves no scales.
     for (int64_t p = 0; p < num_pages; ++p) {
       const auto page_tokens = host_tokens + p * page_size;
       const auto start = page_tokens[0];
       RuntimeCheck(
           start >= 0 && start % page_size == 0 && page_tokens[page_size - 1] == start + page_size - 1,
-          "MXFP8 scale backup: host page ",
+          what,
+          ": host page ",
           p,
           " is not one aligned run of ",
           page_size,
@@ -202,22 +272,16 @@ struct ScaleRowKernel {
           start,
           ")");
     }
-    const auto shape = ScaleRowShape{
-        .tables = static_cast<const uint64_t*>(tables.data_ptr()),
-        .host_stride = host_stride,
-        .device_stride = device_stride,
-        .row_tokens = static_cast<uint32_t>(row_tokens),
-        .rows_per_page = static_cast<uint32_t>(page_size / row_tokens),
-        .num_layers = static_cast<uint32_t>(L.unwrap()),
-    };
+    const auto device = device_indices.device();
     const auto run = [&](const auto* device_tokens) {
       if (num_pages <= kFewPages) {
-        launch_backup<kFewPages>(shape, host_tokens, device_tokens, num_pages, page_size, device.unwrap());
+        launch_backup_from_page_starts<kFewPages>(shape, host_tokens, device_tokens, num_pages, page_size, device);
       } else {
-        launch_backup<kMaxPagesPerLaunch>(shape, host_tokens, device_tokens, num_pages, page_size, device.unwrap());
+        launch_backup_from_page_starts<kMaxPagesPerLaunch>(
+            shape, host_tokens, device_tokens, num_pages, page_size, device);
       }
     };
-    if (dtype.unwrap().bits == 32) {
+    if (device_indices.dtype().bits == 32) {
       run(static_cast<const int32_t*>(device_indices.data_ptr()));
     } else {
       run(static_cast<const int64_t*>(device_indices.data_ptr()));
@@ -231,39 +295,13 @@ struct ScaleRowKernel {
       const tvm::ffi::TensorView device_indices,
       const int64_t host_stride,
       const int64_t device_stride,
-      const int64_t row_tokens) {
-    using namespace host;
-    auto L = SymbolicSize{"num_layers"};
-    auto N = SymbolicSize{"indices length"};
-    auto dtype = SymbolicDType{};
-    auto device = SymbolicDevice{};
-    TensorMatcher({4, L}).with_dtype<uint64_t>().with_device<kDLGPU>(device).verify(tables);
-    TensorMatcher({N})
-        .with_dtype<int32_t, int64_t>(dtype)
-        .with_device<kDLGPU>(device)
-        .verify(host_indices)
-        .verify(device_indices);
-    RuntimeCheck(row_tokens > 0 && N.unwrap() % row_tokens == 0, "MXFP8 scale load: indices must be whole rows");
-
-    const auto params = ScaleRowParams<1>{
-        .shape =
-            {
-                .tables = static_cast<const uint64_t*>(tables.data_ptr()),
-                .host_stride = host_stride,
-                .device_stride = device_stride,
-                .row_tokens = static_cast<uint32_t>(row_tokens),
-                .rows_per_page = 1,
-                .num_layers = static_cast<uint32_t>(L.unwrap()),
-            },
-        .host_indices = host_indices.data_ptr(),
-        .device_indices = device_indices.data_ptr(),
-        .num_rows = static_cast<uint32_t>(N.unwrap() / row_tokens),
-    };
-    if (dtype.unwrap().bits == 32) {
-      launch<int32_t, false>(params, device.unwrap());
-    } else {
-      launch<int64_t, false>(params, device.unwrap());
-    }
+      const int64_t row_tokens,
+      const int64_t page_size,
+      const bool walk_layers) {
+    constexpr auto what = "MXFP8 scale load";
+    const auto shape = check(
+        tables, host_indices, device_indices, host_stride, device_stride, row_tokens, page_size, walk_layers, what);
+    launch_from_gpu_indices<false>(shape, host_indices, device_indices, what);
   }
 };
 

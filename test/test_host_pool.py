@@ -1,33 +1,30 @@
-"""Our host pool on SGLang's real MXFP8 device pool, built on the CPU.
+"""Our host pool's construction: sizing, refusals before allocation, destroy.
 
-The JIT kernels are CPU emulations of their contracts (``cpu_kernels``); the same
-round trip runs with the real kernels in ``test_roundtrip_gpu.py``.
+Transfers are in ``test_transfers.py``. The CPU tests use the kernel emulations
+(``cpu_kernels``); the ``gpu`` tests at the end need CUDA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-import scenarios
 from sglang_mxfp8_hicache import host_pool as host_pool_module
-from sglang_mxfp8_hicache.tools.bench import ABLATIONS
 from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
     MXFP8HiCacheConfigError,
 )
+from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
     device_buffers,
-    page_token_indices,
-    round_trip,
 )
-from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 
 
-def make_pools(
+def cpu_pools(
     kernels, *, heads, head_dim, layers, pages, host_cls=MHATokenToKVPoolMXFP8Host
 ):
     device_pool = build_device_pool(
@@ -46,65 +43,8 @@ def make_pools(
     return device_pool, host
 
 
-@pytest.mark.parametrize(
-    "heads, head_dim, layers, pages",
-    [
-        (1, 128, 3, 1),
-        (2, 128, 1, 3),  # a single layer
-        (1, 128, 3, 200),  # crosses the 64-page write-back staging chunk three times
-        (1, 128, 2, 300),  # two backup launches of at most 256 pages
-        (8, 128, 2, 64),
-        (8, 128, 2, 130),
-        (8, 256, 2, 70),
-        (32, 128, 2, 67),
-        (64, 256, 1, 3),  # 512 B of scales per token: rows of one token
-    ],
-)
-def test_round_trip_bytes(cpu_kernels, heads, head_dim, layers, pages):
-    device_pool, host = make_pools(
-        cpu_kernels, heads=heads, head_dim=head_dim, layers=layers, pages=pages
-    )
-    assert host.page_num >= pages
-    result = round_trip(device_pool, host, pages=pages, seed=pages)
-    assert result.payload_restored
-    assert result.scales_restored
-    assert result.host_untouched
-    assert result.device_untouched
-    rows = host.scale_geometry.row_bytes
-    # The scales went through our kernel in rows of 512 B: one launch per 256
-    # pages for the backup, one for the load (with layer 0).
-    launches = -(-pages // 256)
-    assert cpu_kernels.calls.count(("scale_rows_backup", rows)) == launches
-    assert cpu_kernels.calls.count(("scale_rows_load", rows)) == 1
-    # No SGLang kernel moved scale-sized rows (payload rows may share a size).
-    scale_sizes = {rows, host.scale_geometry.page_bytes} - {heads * head_dim}
-    assert not any(
-        not name.startswith("scale_rows") and size in scale_sizes
-        for name, size in cpu_kernels.calls
-    )
-    # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
-    assert (host.scale_host == 0xFF).any()
-
-
-def test_plain_host_pool_loses_scales(cpu_kernels):
-    """The control: SGLang's payload-only host pool restores the payload but not the scales."""
-    device_pool, host = make_pools(
-        cpu_kernels,
-        heads=8,
-        head_dim=128,
-        layers=2,
-        pages=8,
-        host_cls=MHATokenToKVPoolHost,
-    )
-    result = round_trip(device_pool, host, pages=8)
-    assert result.payload_restored
-    assert not result.scales_restored
-
-
 def test_sizing_counts_scales(cpu_kernels):
-    device_pool, host = make_pools(
-        cpu_kernels, heads=8, head_dim=128, layers=4, pages=2
-    )
+    device_pool, host = cpu_pools(cpu_kernels, heads=8, head_dim=128, layers=4, pages=2)
     payload = 2 * 8 * 128 * 4
     scales = 2 * 8 * 4 * 4
     assert host.get_size_per_token() == payload + scales
@@ -267,19 +207,25 @@ def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
         )
 
 
-def test_refuses_when_jit_kernel_unavailable(
+def test_refuses_when_no_scale_kernel_builds(
     cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
 ):
+    """Neither ours nor SGLang's all-layer kernel (the fallback) builds."""
+    from sglang.kernels.ops.kvcache import hicache
+
     from sglang_mxfp8_hicache import scale_kernel
 
-    def no_compiler(row_bytes, *, walk_layers):
+    def no_compiler(*args, **kwargs):
         raise RuntimeError("nvcc not found")
 
     monkeypatch.setattr(scale_kernel, "scale_rows_module", no_compiler)
+    monkeypatch.setattr(hicache, "_jit_hicache_module", no_compiler)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match=r"scale rows of 512 B failed to build \(nvcc not found\)",
+        match=r"no kernel for scale chunks of 512 B builds \(ours: nvcc not found; "
+        r"SGLang's all-layer kernel: nvcc not found\); run without "
+        "--enable-hierarchical-cache",
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -313,27 +259,6 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 
-def test_transfer_with_other_io_backend_moves_nothing(cpu_kernels):
-    device_pool, host = make_pools(
-        cpu_kernels, heads=2, head_dim=128, layers=2, pages=2
-    )
-    host.kv_buffer.view(torch.uint8).fill_(7)
-    host.scale_host.fill_(7)
-    tokens = page_token_indices(torch.tensor([1]))
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
-    ):
-        host.backup_from_device_all_layer(device_pool, tokens, tokens, "direct")
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
-    ):
-        host.load_to_device_per_layer(device_pool, tokens, tokens, 0, "direct")
-    assert cpu_kernels.calls == []
-    assert bool((host.kv_buffer.view(torch.uint8) == 7).all()) and bool(
-        (host.scale_host == 7).all()
-    )
-
-
 @pytest.mark.parametrize(
     "method, args",
     [
@@ -345,7 +270,7 @@ def test_transfer_with_other_io_backend_moves_nothing(cpu_kernels):
     ],
 )
 def test_storage_interface_refuses(cpu_kernels, method, args):
-    _, host = make_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
+    _, host = cpu_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
     with pytest.raises(NotImplementedError, match="without --hicache-storage-backend"):
         getattr(host, method)(*args)
 
@@ -376,62 +301,61 @@ def test_destroy_after_half_built(cpu_kernels, mxfp8_pool, monkeypatch):
 
 
 def test_destroy_is_idempotent(cpu_kernels):
-    _, host = make_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
+    _, host = cpu_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
     host.destroy()
     host.destroy()
     assert host.scale_host is None and host.kv_buffer is None
 
 
-def test_load_with_new_index_tensors_per_layer(cpu_kernels):
-    """New index tensors for each layer call: every layer's scales still arrive."""
-    device_pool, host = make_pools(
-        cpu_kernels, heads=2, head_dim=128, layers=3, pages=4
+@pytest.mark.gpu
+def test_dispatch_on_cuda_pool():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.mem_cache.pool_host import mha
+
+    device_pool = build_device_pool(
+        head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
     )
-    host.scale_host.copy_(
-        torch.randint(0, 256, host.scale_host.shape, dtype=torch.uint8)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    assert mha.get_mha_host_pool_cls(info) is MHATokenToKVPoolMXFP8Host
+
+
+@pytest.mark.gpu
+def test_destroy_unregisters_pinned_scales():
+    device_pool = build_device_pool(
+        head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
     )
-    host_pages, device_pages = torch.tensor([3, 0]), torch.tensor([5, 2])
-    for layer in range(3):
-        host.load_to_device_per_layer(
+    host = build_host_pool(
+        device_pool,
+        MHATokenToKVPoolMXFP8Host,
+        host_to_device_ratio=1.0,
+        pin_memory=True,
+    )
+    scale_host = host.scale_host
+    assert getattr(scale_host, common._CUDA_HOST_REGISTERED_RANGES_ATTR)
+    host.destroy()
+    assert getattr(scale_host, common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+
+
+@pytest.mark.gpu
+def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
+    device_pool = build_device_pool(
+        head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
+    )
+    seen = {}
+
+    def fail_payload(self):
+        seen["scale_host"] = self.scale_host
+        raise MemoryError("payload allocation failed")
+
+    monkeypatch.setattr(MHATokenToKVPoolHost, "init_kv_buffer", fail_payload)
+    with pytest.raises(MemoryError):
+        build_host_pool(
             device_pool,
-            page_token_indices(host_pages),
-            page_token_indices(device_pages),
-            layer,
-            "kernel",
+            MHATokenToKVPoolMXFP8Host,
+            host_to_device_ratio=1.0,
+            pin_memory=True,
         )
-    for layer in range(3):
-        for side, scales in enumerate(
-            (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
-        ):
-            rows = scales[layer].view(torch.uint8).reshape(scales[layer].shape[0], -1)
-            host_rows = host.scale_geometry.host_page_layer(
-                host.scale_host[side, host_pages], layer
-            )
-            assert torch.equal(rows[device_pages], host_rows)
-
-
-def test_backup_refuses_misaligned_host_page(cpu_kernels):
-    device_pool, host = make_pools(
-        cpu_kernels, heads=8, head_dim=128, layers=2, pages=2
-    )
-    scenarios.backup_refuses_misaligned_host_page(device_pool, host)
-    assert ("scale_rows_backup", host.scale_geometry.row_bytes) not in cpu_kernels.calls
-
-
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_scale_kernel_moves_exactly_its_rows(cpu_kernels, index_dtype):
-    device_pool, host = make_pools(
-        cpu_kernels, heads=8, head_dim=128, layers=3, pages=5
-    )
-    scenarios.scale_kernel_moves_exactly_its_rows(device_pool, host, index_dtype)
-
-
-@pytest.mark.parametrize("name", sorted(ABLATIONS))
-def test_bench_ablations_round_trip(cpu_kernels, name):
-    """What `bench --ablations` times moves the same bytes as ours."""
-    device_pool, host = make_pools(
-        cpu_kernels, heads=8, head_dim=128, layers=2, pages=9, host_cls=ABLATIONS[name]
-    )
-    result = round_trip(device_pool, host, pages=9, seed=5)
-    assert result.payload_restored and result.scales_restored
-    assert result.host_untouched and result.device_untouched
+    assert getattr(seen["scale_host"], common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+    torch.cuda.synchronize()

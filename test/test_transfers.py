@@ -1,0 +1,337 @@
+"""Transfers of our host pool on SGLang's real MXFP8 device pool, byte for byte.
+
+Every test runs twice through the ``device`` fixture: on the CPU with the kernel
+emulations (``kernel_emulation.py``) and, on a CUDA machine, with SGLang's real
+JIT kernels and ours. Random bytes (0xFF included) and permuted page ids
+throughout; pages outside a transfer must keep their bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+from sglang_mxfp8_hicache import scale_kernel
+from sglang_mxfp8_hicache.host_pool import (
+    MHATokenToKVPoolMXFP8Host,
+    doubling_layer_groups,
+)
+from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
+from sglang_mxfp8_hicache.tools.selfcheck import (
+    IO_BACKEND,
+    fill_random,
+    page_token_indices,
+    round_trip,
+)
+
+
+def assert_exact(result) -> None:
+    assert result.payload_restored, "payload differs"
+    assert result.scales_restored, "scales differ"
+    assert result.host_untouched, "host pages outside the backup changed"
+    assert result.device_untouched, "device pages outside the load changed"
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, layers, pages",
+    [
+        (1, 128, 3, 1),
+        (2, 128, 1, 3),  # a single layer
+        (1, 128, 3, 200),  # crosses the 64-page write-back staging chunk
+        (1, 128, 2, 300),  # two backup launches of at most 256 pages
+        (8, 128, 4, 64),
+        (8, 128, 13, 5),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (32, 128, 2, 67),
+        (8, 256, 2, 70),
+        (7, 128, 3, 9),  # chunks of 3,584 B (wider than 512 B)
+        (15, 128, 2, 9),  # chunks of 7,680 B
+        (64, 256, 1, 3),  # 512 B of scales per token: chunks of one token
+    ],
+    ids=lambda v: str(v),
+)
+def test_round_trip(make_pools, heads, head_dim, layers, pages):
+    device_pool, host = make_pools(
+        heads=heads, head_dim=head_dim, layers=layers, pages=pages
+    )
+    assert host.page_num >= pages
+    result = round_trip(device_pool, host, pages=pages, seed=pages + heads)
+    assert_exact(result)
+    # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
+    assert (host.scale_host == 0xFF).any()
+
+
+def test_wide_chunks_are_whole_tokens():
+    """7 and 15 heads of 128: a chunk is the first multiple of 512 B, one token."""
+    from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
+
+    for heads, row_bytes in ((7, 3584), (15, 7680)):
+        geometry = MXFP8ScaleGeometry(head_num=heads, head_dim=128, page_size=128)
+        assert (geometry.row_bytes, geometry.row_tokens) == (row_bytes, 128)
+
+
+def test_plain_host_pool_loses_scales(make_pools):
+    """The control: SGLang's payload-only host pool restores the payload only."""
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=2, pages=8, host_cls=MHATokenToKVPoolHost
+    )
+    result = round_trip(device_pool, host, pages=8)
+    assert result.payload_restored
+    assert not result.scales_restored
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_bench_ablation_round_trip(make_pools, name):
+    """What `bench --ablations` times moves the same bytes as ours."""
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=5, pages=9, host_cls=ABLATIONS[name]
+    )
+    assert_exact(round_trip(device_pool, host, pages=9, seed=5))
+
+
+def test_fallback_to_sglang_kernel(make_pools, monkeypatch, caplog):
+    """Our kernel fails to build: one warning, SGLang's kernel moves the same bytes."""
+
+    def no_compiler(row_bytes):
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(scale_kernel, "scale_rows_module", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=scale_kernel.__name__):
+        device_pool, host = make_pools(heads=8, head_dim=128, layers=4, pages=20)
+    assert isinstance(host._scale_kernel, scale_kernel.SGLangAllLayerKernel)
+    warnings = [
+        r
+        for r in caplog.records
+        if r.name == scale_kernel.__name__ and r.levelno == logging.WARNING
+    ]
+    assert len(warnings) == 1
+    assert "nvcc not found" in warnings[0].getMessage()
+    assert_exact(round_trip(device_pool, host, pages=20, seed=3))
+
+
+def test_layer_groups_double():
+    assert doubling_layer_groups(1) == [range(0, 1)]
+    assert doubling_layer_groups(8) == [
+        range(0, 1),
+        range(1, 2),
+        range(2, 4),
+        range(4, 8),
+    ]
+    groups = doubling_layer_groups(80)
+    assert [g.start for g in groups] == [0, 1, 2, 4, 8, 16, 32, 64]
+    assert groups[-1] == range(64, 80)
+
+
+def test_load_issues_scales_no_later_than_their_layer(make_pools):
+    """Each layer's scales are on the device once its own load call returns,
+    and layer 0's call moves layer 0's scales only (pages of other layers keep
+    their bytes until their group's call)."""
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=6, pages=4)
+    fill_random([host.scale_host], torch.Generator().manual_seed(4))
+    sides = (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
+    fill_random(
+        [*sides[0], *sides[1]],
+        torch.Generator(device=device_pool.device).manual_seed(5),
+    )
+    host_pages, device_pages = torch.tensor([3, 0]), torch.tensor([5, 2])
+    host_tokens = page_token_indices(host_pages).to(device_pool.device)
+    device_tokens = page_token_indices(device_pages).to(device_pool.device)
+
+    def arrived(layer: int) -> bool:
+        return all(
+            torch.equal(
+                scales[layer].view(torch.uint8).flatten(1)[device_pages].cpu(),
+                host.scale_geometry.host_page_layer(
+                    host.scale_host[side, host_pages], layer
+                ),
+            )
+            for side, scales in enumerate(sides)
+        )
+
+    for layer in range(6):
+        host.load_to_device_per_layer(
+            device_pool, host_tokens, device_tokens, layer, IO_BACKEND
+        )
+        assert all(arrived(done) for done in range(layer + 1))
+        if layer == 0:
+            assert not any(arrived(later) for later in range(1, 6))
+
+
+def _scale_pages(device_pool, host) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device and host scales as [K/V, layer, page, page bytes] on the CPU."""
+    layers = range(host.layer_num)
+    device = torch.stack(
+        [
+            torch.stack([side[layer].view(torch.uint8).flatten(1) for layer in layers])
+            for side in (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
+        ]
+    ).cpu()
+    page_layer = host.scale_geometry.host_page_layer
+    host_pages = torch.stack(
+        [
+            torch.stack([page_layer(host.scale_host[side], layer) for layer in layers])
+            for side in range(2)
+        ]
+    )
+    return device, host_pages
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("host_indices_on", ["cpu", "gpu"])
+@pytest.mark.parametrize("kernel", ["ours", "sglang"])
+def test_scale_kernel_moves_exactly_its_chunks(
+    make_pools, device, kernel, host_indices_on, index_dtype
+):
+    """The scale kernel alone, both directions: the named pages' chunks arrive,
+    every other byte on both sides stays. A backup takes host indices on the CPU
+    (the staged write-back) or on the GPU (SGLang's controller without it)."""
+    if host_indices_on == "gpu" and device == "cpu":
+        pytest.skip("no GPU: host indices are always on the CPU here")
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=5)
+    if kernel == "sglang":
+        host._scale_kernel = scale_kernel.SGLangAllLayerKernel(
+            host.scale_geometry.row_bytes
+        )
+    scales = [*device_pool.k_scale_buffer, *device_pool.v_scale_buffer]
+    fill_random(scales, torch.Generator(device=device).manual_seed(1))
+    fill_random([host.scale_host], torch.Generator().manual_seed(2))
+    device_pages, host_pages = torch.tensor([4, 1, 3]), torch.tensor([2, 0, 5])
+    backup_hosts = page_token_indices(host_pages)
+    if host_indices_on == "gpu":
+        backup_hosts = backup_hosts.to(device, index_dtype)
+
+    device_before, host_before = _scale_pages(device_pool, host)
+    host._scale_kernel.backup(
+        host._backup_tables,
+        backup_hosts,
+        page_token_indices(device_pages).to(device, index_dtype),
+        host._scale_strides,
+        walk_layers=True,
+    )
+    device_after, host_after = _scale_pages(device_pool, host)
+    expected = host_before.clone()
+    expected[:, :, host_pages] = device_before[:, :, device_pages]
+    assert torch.equal(host_after, expected)
+    assert torch.equal(device_after, device_before)
+
+    fill_random(scales, torch.Generator(device=device).manual_seed(3))
+    device_before, host_before = _scale_pages(device_pool, host)
+    load_pages = torch.tensor([2, 5, 1])
+    host._scale_kernel.load(
+        host._backup_tables,
+        page_token_indices(host_pages).to(device, index_dtype),
+        page_token_indices(load_pages).to(device, index_dtype),
+        host._scale_strides,
+        walk_layers=False,
+    )
+    device_after, host_after = _scale_pages(device_pool, host)
+    expected = device_before.clone()
+    expected[:, :, load_pages] = host_before[:, :, host_pages]
+    assert torch.equal(device_after, expected)
+    assert torch.equal(host_after, host_before)
+
+
+def _snapshot(device_pool, host) -> list[torch.Tensor]:
+    """Every host byte and layer 0's device bytes, as uint8 (fp8 NaN != NaN)."""
+    tensors = [host.kv_buffer, host.scale_host]
+    tensors += [device_pool.k_buffer[0], device_pool.k_scale_buffer[0]]
+    return [t.view(torch.uint8).cpu().clone() for t in tensors]
+
+
+MISALIGNED = {
+    # name: (host pages as token lists, device pages as token lists)
+    "misaligned_host_page_backwards": "host page 1 is not one aligned run",
+    "misaligned_host_page_shifted": "host page 0 is not one aligned run",
+    "misaligned_partial_page": "are not whole pages of 128 tokens",
+}
+
+
+def _misaligned_indices(case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    host_tokens = page_token_indices(torch.tensor([0, 1]))
+    device_tokens = page_token_indices(torch.tensor([2, 1]))
+    if case == "misaligned_host_page_backwards":
+        host_tokens[128:] = host_tokens[128:].flip(0)
+    elif case == "misaligned_host_page_shifted":
+        host_tokens += 64
+    else:
+        host_tokens, device_tokens = host_tokens[:192], device_tokens[:192]
+    return host_tokens, device_tokens
+
+
+@pytest.mark.parametrize("kernel", ["ours", "sglang"])
+@pytest.mark.parametrize("case", sorted(MISALIGNED))
+def test_backup_refuses_before_a_byte_moves(make_pools, device, kernel, case):
+    """A backup of host pages that are not whole aligned runs raises before any
+    byte, payload or scale, reaches the host."""
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
+    if kernel == "sglang":
+        host._scale_kernel = scale_kernel.SGLangAllLayerKernel(
+            host.scale_geometry.row_bytes
+        )
+    fill_random([host.kv_buffer, host.scale_host], torch.Generator().manual_seed(3))
+    before = _snapshot(device_pool, host)
+    host_tokens, device_tokens = _misaligned_indices(case)
+    with pytest.raises(RuntimeError, match=MISALIGNED[case]):
+        host.backup_from_device_all_layer(
+            device_pool, host_tokens, device_tokens.to(device), IO_BACKEND
+        )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_snapshot(device_pool, host), before, strict=True)
+    )
+
+
+@pytest.mark.parametrize("kernel", ["ours", "sglang"])
+def test_load_refuses_partial_page_before_a_byte_moves(make_pools, device, kernel):
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
+    if kernel == "sglang":
+        host._scale_kernel = scale_kernel.SGLangAllLayerKernel(
+            host.scale_geometry.row_bytes
+        )
+    fill_random(
+        [*device_pool.k_buffer, *device_pool.k_scale_buffer],
+        torch.Generator(device=device).manual_seed(6),
+    )
+    before = _snapshot(device_pool, host)
+    host_tokens, device_tokens = _misaligned_indices("misaligned_partial_page")
+    with pytest.raises(RuntimeError, match="are not whole pages of 128 tokens"):
+        host.load_to_device_per_layer(
+            device_pool, host_tokens.to(device), device_tokens.to(device), 0, IO_BACKEND
+        )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_snapshot(device_pool, host), before, strict=True)
+    )
+
+
+def test_other_io_backend_moves_nothing(make_pools, device):
+    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+
+    device_pool, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    fill_random([host.kv_buffer, host.scale_host], torch.Generator().manual_seed(8))
+    before = _snapshot(device_pool, host)
+    tokens = page_token_indices(torch.tensor([1])).to(device)
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
+    ):
+        host.backup_from_device_all_layer(device_pool, tokens.cpu(), tokens, "direct")
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
+    ):
+        host.load_to_device_per_layer(device_pool, tokens, tokens, 0, "direct")
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_snapshot(device_pool, host), before, strict=True)
+    )
+
+
+def test_class_is_ours(make_pools):
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    assert type(host) is MHATokenToKVPoolMXFP8Host
+    assert isinstance(host._scale_kernel, scale_kernel.ScaleRowKernel)
