@@ -3,10 +3,42 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 
+from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.tools.cli import main
+
+LLAMA_8B = {
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_size": 4096,
+}
+DEEPSEEK_V3 = {
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "hidden_size": 7168,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+}
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``main`` in this process: the exit code, argparse's included, and the output."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_size_table(capsys):
@@ -70,15 +102,302 @@ def test_size_from_hf_config(tmp_path, capsys):
     assert plan["host_tokens"] == (2000 // 128 + 1) * 128
 
 
-def test_size_needs_a_geometry(capsys):
-    assert main(["size", "--layers", "2", "--device-tokens", "10"]) == 2
-    assert "--config" in capsys.readouterr().err
+def config_text(text: str | None) -> Callable[[Path], str]:
+    """A --config argument made in the test's tmp_path: a file holding ``text``,
+    or a directory where ``text`` is None."""
+
+    def make(tmp_path: Path) -> str:
+        path = tmp_path / "config.json"
+        if text is None:
+            path.mkdir()
+        else:
+            path.write_text(text)
+        return str(path)
+
+    return make
 
 
-def test_bench_refuses_unknown_ablation(capsys):
-    assert main(["bench", "--ablations", "rows128,nope"]) == 2
-    err = capsys.readouterr().err
-    assert "unknown ablation(s) ['nope']" in err and "stock" in err
+def config(**fields) -> Callable[[Path], str]:
+    """Llama-3.1-8B's config.json with ``fields`` changed (None: key removed)."""
+    merged = {**LLAMA_8B, **fields}
+    return config_text(json.dumps({k: v for k, v in merged.items() if v is not None}))
+
+
+def size(*flags, config=None, device_tokens="1000", **geometry) -> list:
+    """``size --json`` of Llama-3.1-8B's geometry given as flags, or of ``config``."""
+    argv = ["size", "--json", "--device-tokens", device_tokens, *flags]
+    if config is not None:
+        return [*argv, "--config", config]
+    dims = {"layers": "32", "kv_heads": "8", "head_dim": "128", **geometry}
+    for name, value in dims.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", value]
+    return argv
+
+
+def bad(case_id: str, argv: list, *expected: str):
+    return pytest.param(argv, expected, id=case_id)
+
+
+BAD_INPUTS = [
+    # --config: the file
+    bad(
+        "missing_config",
+        size(config=lambda tmp_path: str(tmp_path / "missing.json")),
+        "--config",
+        "missing.json",
+    ),
+    bad("config_is_directory", size(config=config_text(None)), "is a directory"),
+    bad(
+        "malformed_json",
+        size(config=config_text('{"num_hidden_layers": 32,')),
+        "config.json",
+        "not valid JSON",
+    ),
+    bad("json_list", size(config=config_text("[]")), "JSON object", "list"),
+    bad(
+        "text_config_list",
+        size(config=config_text('{"text_config": [1]}')),
+        "text_config",
+    ),
+    # --config: its keys
+    bad(
+        "no_num_attention_heads",
+        size(config=config(num_attention_heads=None)),
+        "num_attention_heads",
+    ),
+    bad(
+        "no_head_dim_nor_hidden_size",
+        size(config=config(hidden_size=None)),
+        "head_dim",
+        "hidden_size",
+    ),
+    bad(
+        "zero_attention_heads",
+        size(config=config(num_attention_heads=0)),
+        "num_attention_heads",
+        "0",
+    ),
+    bad("head_dim_125", size(config=config(head_dim=125)), "head_dim", "125", "32"),
+    bad(
+        "derived_head_dim_125",
+        size(config=config(hidden_size=4000)),
+        "hidden_size 4000",
+        "125",
+    ),
+    bad(
+        "layers_string",
+        size(config=config(num_hidden_layers="32")),
+        "num_hidden_layers",
+        "'32'",
+    ),
+    bad(
+        "kv_heads_boolean",
+        size(config=config(num_key_value_heads=True)),
+        "num_key_value_heads",
+        "True",
+    ),
+    bad(
+        "mla_config",
+        size(config=config_text(json.dumps(DEEPSEEK_V3))),
+        "kv_lora_rank",
+        "MLA",
+        "MHA",
+    ),
+    # size: flags
+    bad("layers_0", size(layers="0"), "--layers", "0"),
+    bad("layers_negative", size(layers="-32"), "--layers", "-32"),
+    bad("layers_not_int", size(layers="1.5"), "--layers", "1.5"),
+    bad("kv_heads_0", size(kv_heads="0"), "--kv-heads", "0"),
+    bad("kv_heads_negative", size(kv_heads="-8"), "--kv-heads", "-8"),
+    bad("tp_size_0", size("--tp-size", "0"), "--tp-size", "0"),
+    bad("tp_size_negative", size("--tp-size", "-8"), "--tp-size", "-8"),
+    bad("tp_size_3_of_8_heads", size("--tp-size", "3"), "--tp-size 3", "8 KV heads"),
+    bad("tp_size_12_of_8_heads", size("--tp-size", "12"), "--tp-size 12", "8 KV"),
+    bad("head_dim_0", size(head_dim="0"), "--head-dim", "0"),
+    bad("head_dim_flag_125", size(head_dim="125"), "--head-dim", "125", "32"),
+    bad(
+        "device_tokens_negative",
+        size(device_tokens="-1000"),
+        "--device-tokens",
+        "-1000",
+    ),
+    bad("ratio_nan", size("--hicache-ratio", "nan"), "--hicache-ratio", "nan"),
+    bad("ratio_inf", size("--hicache-ratio", "inf"), "--hicache-ratio", "inf"),
+    bad("ratio_negative", size("--hicache-ratio", "-2"), "--hicache-ratio", "-2"),
+    bad("size_inf", size("--hicache-size", "inf"), "--hicache-size", "inf"),
+    bad("size_negative", size("--hicache-size", "-5"), "--hicache-size", "-5"),
+    bad("size_nan", size("--hicache-size", "nan"), "--hicache-size", "nan"),
+    # size: where the geometry comes from
+    bad(
+        "layers_with_config",
+        size("--layers", "32", config=config()),
+        "--config",
+        "--layers",
+    ),
+    bad(
+        "geometry_incomplete",
+        size(kv_heads=None, head_dim=None),
+        "--config",
+        "--kv-heads",
+        "--head-dim",
+    ),
+    # bench: every argument is checked before CUDA is looked for
+    bad(
+        "bench_geometry_8by128",
+        ["bench", "--geometries", "8by128"],
+        "--geometries",
+        "8by128",
+    ),
+    bad(
+        "bench_geometry_head_dim_125",
+        ["bench", "--geometries", "8x128,8x125"],
+        "--geometries",
+        "8x125",
+    ),
+    bad(
+        "bench_geometry_layers_0",
+        ["bench", "--geometries", "8x128x0"],
+        "--geometries",
+        "8x128x0",
+    ),
+    bad(
+        "bench_geometry_empty_item",
+        ["bench", "--geometries", "8x128,"],
+        "--geometries",
+    ),
+    bad("bench_pages_0", ["bench", "--pages", "1,0"], "--pages", "1,0"),
+    bad("bench_pages_negative", ["bench", "--pages", "-4"], "--pages", "-4"),
+    bad("bench_warmup_negative", ["bench", "--warmup", "-1"], "--warmup", "-1"),
+    bad("bench_repeat_0", ["bench", "--repeat", "0"], "--repeat", "0"),
+    bad(
+        "bench_json_out_no_directory",
+        ["bench", "--json-out", "/nonexistent/bench.json"],
+        "--json-out",
+        "/nonexistent/bench.json",
+    ),
+    bad(
+        "bench_unknown_ablation",
+        ["bench", "--ablations", "rows128,nope"],
+        "unknown ablation(s) ['nope']",
+        "stock",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, expected", BAD_INPUTS)
+def test_bad_input_is_one_line(argv, expected, tmp_path, capsys, monkeypatch):
+    """Exit 2, nothing on stdout (not even with --json), one line on stderr that
+    names the value and what is allowed, no traceback."""
+    # A GPU must not rescue a bad argument, nor its absence hide one.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [arg(tmp_path) if callable(arg) else arg for arg in argv]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2, err
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert err.startswith(f"sglang-mxfp8-hicache {argv[0]}: error: "), err
+    assert "Traceback" not in err
+    for text in expected:
+        assert text in err, err
+
+
+def test_size_reads_text_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llava", "text_config": LLAMA_8B}))
+    code, out, _ = run_cli(size(config=str(path)), capsys)
+    assert code == 0
+    assert json.loads(out)["bytes_per_token"] == 2 * 32 * 8 * (128 + 4)
+
+
+def test_version(capsys):
+    assert run_cli(["--version"], capsys) == (
+        0,
+        f"sglang-mxfp8-hicache {__version__}\n",
+        "",
+    )
+
+
+def test_help_lists_every_command(capsys):
+    code, out, _ = run_cli(["--help"], capsys)
+    assert code == 0
+    for command in ("check", "size", "bench", "--e2e"):
+        assert command in out
+    code, out, _ = run_cli(["check", "--help"], capsys)
+    assert code == 0 and "--e2e" in out
+
+
+def test_bench_needs_cuda_after_good_arguments(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run_cli(
+        ["bench", "--geometries", "8x128x80", "--pages", "1,4", "--check"], capsys
+    )
+    assert (code, out) == (2, "")
+    assert (
+        err == "sglang-mxfp8-hicache bench: error: needs a CUDA GPU "
+        "(the JIT transfer kernels)\n"
+    )
+
+
+class FakeRow:
+    def __init__(self, met: bool):
+        self.met = met
+
+    def meets_goal(self) -> bool:
+        return self.met
+
+
+@pytest.fixture
+def fake_bench(monkeypatch) -> SimpleNamespace:
+    """bench as on a CUDA GPU, without one: ``run`` records its arguments and
+    returns one row per entry of ``met``."""
+    from sglang_mxfp8_hicache.tools import bench
+
+    fake = SimpleNamespace(bench=bench, calls=[], met=[True])
+
+    def run(geometries, pages, *, classes, warmup, repeat):
+        fake.calls.append((geometries, pages, warmup, repeat))
+        return [FakeRow(met) for met in fake.met]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU")
+    monkeypatch.setattr(bench, "host_classes", lambda ablations: {})
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench, "table", lambda rows: (["met"], [[r.met] for r in rows]))
+    monkeypatch.setattr(
+        bench, "layer0_table", lambda rows: (["met"], [[r.met] for r in rows])
+    )
+    monkeypatch.setattr(bench, "to_json", lambda rows: "[]")
+    return fake
+
+
+@pytest.mark.parametrize(
+    "flags, met, code",
+    [
+        pytest.param([], [True, False], 0, id="completed_with_a_miss"),
+        pytest.param(["--check"], [True, True], 0, id="check_all_met"),
+        pytest.param(["--check"], [True, False], 1, id="check_a_miss"),
+    ],
+)
+def test_bench_exit_code(flags, met, code, fake_bench, capsys):
+    """A completed benchmark exits 0; --check makes an unmet goal exit 1 (CI)."""
+    fake_bench.met = met
+    exit_code, out, err = run_cli(["bench", *flags], capsys)
+    assert exit_code == code and "Fake GPU" in out
+    missed = "sglang-mxfp8-hicache bench: 1 of 2 cells miss their goal\n"
+    assert err == (missed if code else "")
+
+
+def test_bench_arguments_reach_run(fake_bench, tmp_path, capsys):
+    out_file = tmp_path / "bench.json"
+    argv = ["bench", "--geometries", "8x128,4x64x80", "--pages", "1,4"]
+    assert run_cli([*argv, "--json-out", str(out_file)], capsys)[0] == 0
+    # bench.run takes (heads, head_dim, layers); layers default to 8.
+    assert fake_bench.calls == [(((8, 128, 8), (4, 64, 80)), (1, 4), 3, 20)]
+    assert out_file.read_text() == "[]"
+    assert run_cli(["bench", "--warmup", "0", "--repeat", "5"], capsys)[0] == 0
+    bench = fake_bench.bench
+    assert fake_bench.calls[-1] == (bench.GEOMETRIES, bench.PAGES, 0, 5)
 
 
 def test_check_command():
@@ -92,6 +411,10 @@ def test_check_command():
     )
     steps = {s["name"]: s for s in json.loads(done.stdout)}
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert steps["dispatch on MXFP8 pool"]["detail"] == (
+        "MHATokenToKVPoolMXFP8 -> "
+        "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+    )
     for name, step in steps.items():
         if name == "GPU round trip" and not torch.cuda.is_available():
             assert step["status"] == "skipped" and "no CUDA" in step["detail"]

@@ -101,7 +101,7 @@ def test_host_tokens_from_size_and_ratio():
 
 
 def test_tp_must_divide_or_replicate_heads():
-    with pytest.raises(ValueError, match="tp_size"):
+    with pytest.raises(ValueError, match="--tp-size"):
         host_plan(
             ModelGeometry(layers=2, kv_heads=8, head_dim=128),
             tp_size=3,

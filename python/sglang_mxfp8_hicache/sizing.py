@@ -12,9 +12,48 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
+from sglang_mxfp8_hicache.geometry import MXFP8_SCALE_BLOCK, MXFP8ScaleGeometry
 
 PAGE_SIZE = 128
+MLA_CONFIG_KEYS = ("kv_lora_rank", "qk_rope_head_dim")
+"""Keys of a latent-attention config (DeepSeek-V2/V3, Kimi K2): SGLang gives such
+models an MLA KV pool, which MXFP8 HiCache does not serve."""
+
+
+class SizingError(ValueError):
+    """A model or TP size that cannot be sized: an unreadable or non-MHA config.json,
+    or a count SGLang's MXFP8 KV pool would refuse.
+
+    The CLI prints it as a one-line usage error, so every message names the value,
+    where it came from and what is allowed.
+    """
+
+
+def _positive_int(value: object, name: str) -> int:
+    # bool is an int subclass, but `true` in a config.json is no count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SizingError(
+            f"{name} must be a positive integer, got {value!r} ({type(value).__name__})"
+        )
+    if value <= 0:
+        raise SizingError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _mxfp8_head_dim(value: object, name: str) -> int:
+    head_dim = _positive_int(value, name)
+    if head_dim % MXFP8_SCALE_BLOCK:
+        raise SizingError(
+            f"{name} must be a multiple of {MXFP8_SCALE_BLOCK} (MXFP8 keeps one scale "
+            f"byte per {MXFP8_SCALE_BLOCK} elements), got {head_dim}"
+        )
+    return head_dim
+
+
+def _config_count(config: dict, key: str) -> int:
+    if config.get(key) is None:
+        raise SizingError(f"{key} is missing")
+    return _positive_int(config[key], key)
 
 
 @dataclass(frozen=True)
@@ -23,31 +62,75 @@ class ModelGeometry:
     kv_heads: int
     head_dim: int
 
+    def __post_init__(self) -> None:
+        _positive_int(self.layers, "layers")
+        _positive_int(self.kv_heads, "kv_heads")
+        _mxfp8_head_dim(self.head_dim, "head_dim")
+
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelGeometry:
-        """Read a Hugging Face ``config.json`` (or its ``text_config``)."""
-        config = json.loads(Path(path).read_text())
-        config = config.get("text_config", config)
-        heads = config["num_attention_heads"]
-        return cls(
-            layers=config["num_hidden_layers"],
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        )
+        """Read a Hugging Face ``config.json`` (or its ``text_config``).
+
+        Raises :class:`SizingError` naming the path and the key: the file is read
+        from the user's command line, where a wrong file or an MLA model is a
+        usage error, not a crash.
+        """
+        path = Path(path)
+        if path.is_dir():
+            raise SizingError(f"{path} is a directory, expected the config.json in it")
+        try:
+            config = json.loads(path.read_bytes())
+        except OSError as exc:
+            raise SizingError(f"{path}: cannot read it ({exc.strerror})") from None
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise SizingError(f"{path}: not valid JSON ({exc})") from None
+        try:
+            return cls._from_config_dict(config)
+        except SizingError as exc:
+            raise SizingError(f"{path}: {exc}") from None
+
+    @classmethod
+    def _from_config_dict(cls, config: object) -> ModelGeometry:
+        if not isinstance(config, dict):
+            raise SizingError(f"expected a JSON object, got a {type(config).__name__}")
+        if config.get("text_config") is not None:
+            config = config["text_config"]
+            if not isinstance(config, dict):
+                raise SizingError(f"text_config must be a JSON object, got {config!r}")
+        for key in MLA_CONFIG_KEYS:
+            if config.get(key) is not None:
+                raise SizingError(
+                    f"{key} {config[key]!r} marks an MLA model (latent KV, as "
+                    "DeepSeek-V3); MXFP8 HiCache serves MHA KV pools only"
+                )
+        layers = _config_count(config, "num_hidden_layers")
+        heads = _config_count(config, "num_attention_heads")
+        kv_heads = heads
+        if config.get("num_key_value_heads") is not None:
+            kv_heads = _config_count(config, "num_key_value_heads")
+        if config.get("head_dim") is not None:
+            head_dim = _mxfp8_head_dim(config["head_dim"], "head_dim")
+        elif config.get("hidden_size") is not None:
+            hidden = _config_count(config, "hidden_size")
+            head_dim = _mxfp8_head_dim(
+                hidden // heads,
+                f"head_dim (hidden_size {hidden} // num_attention_heads {heads})",
+            )
+        else:
+            raise SizingError(
+                "neither head_dim nor hidden_size (to derive head_dim) is given"
+            )
+        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """SGLang splits KV heads over TP ranks, or replicates them when TP is larger."""
-        if tp_size <= self.kv_heads:
-            if self.kv_heads % tp_size:
-                raise ValueError(
-                    f"tp_size {tp_size} does not divide {self.kv_heads} KV heads"
-                )
-            return self.kv_heads // tp_size
-        if tp_size % self.kv_heads:
-            raise ValueError(
-                f"tp_size {tp_size} is not a multiple of {self.kv_heads} KV heads"
+        _positive_int(tp_size, "--tp-size")
+        if self.kv_heads % tp_size and tp_size % self.kv_heads:
+            raise SizingError(
+                f"--tp-size {tp_size} must divide the {self.kv_heads} KV heads "
+                f"or be a multiple of {self.kv_heads}"
             )
-        return 1
+        return max(1, self.kv_heads // tp_size)
 
 
 @dataclass(frozen=True)

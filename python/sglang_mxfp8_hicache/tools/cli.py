@@ -1,24 +1,55 @@
-"""``sglang-mxfp8-hicache``: check the installation, size the host tier.
+"""``sglang-mxfp8-hicache``: check the install, size the host tier, time transfers.
 
-sglang-mxfp8-hicache check [--json]
-sglang-mxfp8-hicache size --device-tokens N (--config config.json | --layers L
-    --kv-heads H --head-dim D) [--tp-size T] [--hicache-ratio R | --hicache-size GB]
+- ``check [--json] [--e2e]``: plugin, hook and dispatch, sizing and, on CUDA, a
+  round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache controller);
+- ``size``: host-tier bytes and tokens per rank, with and without the scales;
+- ``bench [--check]``: host pool transfer times on one CUDA GPU.
+
+``--help`` lists the commands from their parsers. Bad input ends in one line on
+stderr and exit code 2, never a traceback: argparse types check each flag where
+it is parsed, :class:`~sglang_mxfp8_hicache.sizing.SizingError` reports a
+config.json or a geometry, :class:`UsageError` the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import NoReturn
 
-from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
+from sglang_mxfp8_hicache import __version__
+from sglang_mxfp8_hicache.geometry import MXFP8_SCALE_BLOCK
+from sglang_mxfp8_hicache.sizing import PAGE_SIZE, ModelGeometry, SizingError, host_plan
 
+PROG = "sglang-mxfp8-hicache"
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 EXAMPLE_MODEL = ModelGeometry(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
 EXAMPLE_DEVICE_TOKENS = 500_000
+BENCH_LAYERS = 8
+"""Layers of a bench geometry written without them (``8x128``), as in bench.py."""
+
+
+class UsageError(Exception):
+    """Bad input found after parsing; :func:`main` reports it as argparse reports a
+    bad flag: one line on stderr, exit code 2."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a usage error in one line on stderr, exit 2.
+
+    argparse prints the usage block first, which buries the line that says what
+    is wrong, and scripts reading stderr get two lines; ``--help`` has the usage.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 @dataclass
@@ -99,12 +130,8 @@ def _check_dispatch() -> tuple[str, str]:
     from sglang.srt.mem_cache.pool_host import mha
 
     chosen = mha.get_mha_host_pool_cls(device_buffer_info("mxfp8"))
-    if chosen is MHATokenToKVPoolMXFP8Host:
-        return (
-            OK,
-            "MHATokenToKVPoolMXFP8 -> sglang_mxfp8_hicache MHATokenToKVPoolMXFP8Host",
-        )
-    return FAIL, f"MHATokenToKVPoolMXFP8 -> {chosen.__module__}.{chosen.__qualname__}"
+    detail = f"MHATokenToKVPoolMXFP8 -> {chosen.__module__}.{chosen.__qualname__}"
+    return (OK if chosen is MHATokenToKVPoolMXFP8Host else FAIL), detail
 
 
 def _check_sizing() -> tuple[str, str]:
@@ -215,19 +242,33 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if any(s.status == FAIL for s in steps) else 0
 
 
+def _model(args: argparse.Namespace) -> ModelGeometry:
+    """The geometry from --config or from the three flags, never a mix: a flag
+    that quietly overrode one field of a config would size some other model."""
+    flags = {
+        "--layers": args.layers,
+        "--kv-heads": args.kv_heads,
+        "--head-dim": args.head_dim,
+    }
+    given = [flag for flag, value in flags.items() if value is not None]
+    choice = f"give either --config or all of {', '.join(flags)}"
+    if args.config is not None:
+        if given:
+            raise UsageError(f"--config with {', '.join(given)}: {choice}")
+        try:
+            return ModelGeometry.from_hf_config(args.config)
+        except SizingError as exc:
+            raise UsageError(f"--config {exc}") from None
+    missing = [flag for flag in flags if flag not in given]
+    if missing:
+        raise UsageError(f"no {', '.join(missing)}: {choice}")
+    return ModelGeometry(
+        layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim
+    )
+
+
 def cmd_size(args: argparse.Namespace) -> int:
-    if args.config:
-        model = ModelGeometry.from_hf_config(args.config)
-    elif None in (args.layers, args.kv_heads, args.head_dim):
-        print(
-            "size: give --config or all of --layers, --kv-heads, --head-dim",
-            file=sys.stderr,
-        )
-        return 2
-    else:
-        model = ModelGeometry(
-            layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim
-        )
+    model = _model(args)
     plan = host_plan(
         model,
         tp_size=args.tp_size,
@@ -254,7 +295,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     )
     print(
         f"per rank: {model.layers} layers, {plan.kv_heads_per_rank} KV heads x "
-        f"{model.head_dim} (TP {args.tp_size}), page_size 128, {sizing}"
+        f"{model.head_dim} (TP {args.tp_size}), page_size {PAGE_SIZE}, {sizing}"
     )
     print_table(
         ["", "bytes/token", "host tokens", "host GB"],
@@ -281,55 +322,158 @@ def cmd_size(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # bench imports torch and SGLang (seconds): only a bench run pays for that.
     import torch
 
-    from sglang_mxfp8_hicache.tools import bench
+    with warnings.catch_warnings():
+        # Without CUDA, SGLang's import warns about quantization kernels the bench
+        # never uses; the line that says why it stops should stand alone.
+        warnings.simplefilter("ignore", UserWarning)
+        from sglang_mxfp8_hicache.tools import bench
 
-    geometries = tuple(
-        tuple(int(x) for x in g.split("x")) for g in args.geometries.split(",")
-    )
-    pages = tuple(int(p) for p in args.pages.split(","))
-    ablations = tuple(name for name in args.ablations.split(",") if name)
-    unknown = sorted(set(ablations) - set(bench.ABLATIONS))
+    unknown = sorted(set(args.ablations) - set(bench.ABLATIONS))
     if unknown:
-        print(
-            f"bench: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}",
-            file=sys.stderr,
+        raise UsageError(
+            f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
         )
-        return 2
     if not torch.cuda.is_available():
-        print("bench: needs a CUDA GPU (the JIT transfer kernels)", file=sys.stderr)
-        return 2
+        raise UsageError("needs a CUDA GPU (the JIT transfer kernels)")
     rows = bench.run(
-        geometries,
-        pages,
-        classes=bench.host_classes(ablations),
+        args.geometries or bench.GEOMETRIES,
+        args.pages or bench.PAGES,
+        classes=bench.host_classes(args.ablations),
         warmup=args.warmup,
         repeat=args.repeat,
     )
     print(
-        f"{torch.cuda.get_device_name()}, {bench.LAYERS} layers, page_size 128, "
+        f"{torch.cuda.get_device_name()}, page_size {PAGE_SIZE}, "
         f"median of {args.repeat} runs (CUDA events)"
     )
     print_table(*bench.table(rows))
+    print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
+    print_table(*bench.layer0_table(rows))
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(bench.to_json(rows))
-    return 0 if all(r.meets_goal() for r in rows) else 1
+        Path(args.json_out).write_text(bench.to_json(rows))
+    missed = sum(not row.meets_goal() for row in rows)
+    if args.check and missed:
+        print(
+            f"{PROG} bench: {missed} of {len(rows)} cells miss their goal",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+# argparse types: each flag is checked where it is parsed, so the error names it.
+
+
+def _int(text: str, allowed: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int(text, "a positive integer", 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int(text, "an integer >= 0", 0)
+
+
+def mxfp8_head_dim(text: str) -> int:
+    """MXFP8 keeps one scale byte per 32 elements of a head."""
+    allowed = f"a positive multiple of {MXFP8_SCALE_BLOCK} for MXFP8"
+    head_dim = _int(text, allowed, 1)
+    if head_dim % MXFP8_SCALE_BLOCK:
+        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+    return head_dim
+
+
+def finite_non_negative(text: str) -> float:
+    """``float()`` takes ``nan`` and ``inf``, which would size nothing or overflow."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def page_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(positive_int(item) for item in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be positive integers, comma separated, got {text!r}"
+        ) from None
+
+
+def geometries(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``HEADSxHEAD_DIM[xLAYERS],...`` as ``(heads, head_dim, layers)`` tuples."""
+    parsed = []
+    for item in text.split(","):
+        parts = item.strip().split("x")
+        try:
+            if len(parts) not in (2, 3):
+                raise argparse.ArgumentTypeError
+            heads, head_dim = positive_int(parts[0]), mxfp8_head_dim(parts[1])
+            layers = positive_int(parts[2]) if len(parts) == 3 else BENCH_LAYERS
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                "must be HEADSxHEAD_DIM[xLAYERS], comma separated, of positive "
+                f"integers with HEAD_DIM a multiple of {MXFP8_SCALE_BLOCK} "
+                f"(e.g. 8x128,8x128x80), got {item!r}"
+            ) from None
+        parsed.append((heads, head_dim, layers))
+    return tuple(parsed)
+
+
+def ablation_names(text: str) -> tuple[str, ...]:
+    """Names only: bench.ABLATIONS, which knows them, imports torch and SGLang."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def json_out_path(text: str) -> str:
+    """Checked before a benchmark of minutes, not when its results are written."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"must be a file in an existing directory, got {text}"
+        )
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sglang-mxfp8-hicache",
-        description=__doc__,
+    parser = OneLineErrorParser(
+        prog=PROG,
+        description="MXFP8 KV scales in SGLang's hierarchical KV cache (HiCache):\n"
+        "check the install, size the host tier, time the transfers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Run '{PROG} COMMAND --help' for the flags of a command.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", title="commands"
+    )
+    # Descriptions keep their line breaks: argparse would split --kv-heads.
+    raw = argparse.RawDescriptionHelpFormatter
 
     check = sub.add_parser(
-        "check", help="verify the plugin, dispatch, sizing and (on CUDA) a round trip"
+        "check",
+        formatter_class=raw,
+        help="is the plugin installed and chosen by SGLang; on CUDA, a round trip "
+        "(--e2e: also through SGLang's HiCache controller)",
+        description="Verify the install: SGLang version, plugin entry point and hook,\n"
+        "dispatch on an MXFP8 pool, sizing and, on a CUDA GPU, a round trip.\n"
+        "Exit 1 if a step fails.",
     )
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--json", action="store_true", help="print the steps as JSON")
     check.add_argument(
         "--e2e",
         action="store_true",
@@ -337,51 +481,124 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=cmd_check)
 
-    size = sub.add_parser("size", help="host-tier bytes and tokens per rank")
-    size.add_argument("--config", help="a Hugging Face config.json")
-    size.add_argument("--layers", type=int)
-    size.add_argument("--kv-heads", type=int)
-    size.add_argument("--head-dim", type=int)
-    size.add_argument("--tp-size", type=int, default=1)
+    size = sub.add_parser(
+        "size",
+        formatter_class=raw,
+        help="host-tier bytes and tokens per rank, with and without the MXFP8 scales",
+        description="Host-tier size per rank as SGLang's HostKVCache computes it,\n"
+        "with and without the MXFP8 scale bytes. Give the model as --config,\n"
+        "or as --layers, --kv-heads and --head-dim.",
+    )
+    size.add_argument(
+        "--config", metavar="PATH", help="the model's Hugging Face config.json"
+    )
+    size.add_argument(
+        "--layers", type=positive_int, metavar="N", help="num_hidden_layers"
+    )
+    size.add_argument(
+        "--kv-heads", type=positive_int, metavar="N", help="num_key_value_heads"
+    )
+    size.add_argument(
+        "--head-dim",
+        type=mxfp8_head_dim,
+        metavar="N",
+        help=f"a multiple of {MXFP8_SCALE_BLOCK}",
+    )
+    size.add_argument(
+        "--tp-size",
+        type=positive_int,
+        metavar="N",
+        default=1,
+        help="tensor parallel ranks; must divide the KV heads or be a multiple of "
+        "them (default: %(default)s)",
+    )
     size.add_argument(
         "--device-tokens",
-        type=int,
+        type=positive_int,
+        metavar="N",
         required=True,
         help="the device KV pool's token count (max_total_num_tokens)",
     )
-    size.add_argument("--hicache-ratio", type=float, default=2.0)
     size.add_argument(
-        "--hicache-size", type=float, default=0.0, help="GB; overrides the ratio"
+        "--hicache-ratio",
+        type=finite_non_negative,
+        metavar="R",
+        default=2.0,
+        help="host tokens per device token (default: %(default)s)",
     )
-    size.add_argument("--json", action="store_true")
+    size.add_argument(
+        "--hicache-size",
+        type=finite_non_negative,
+        metavar="GB",
+        default=0.0,
+        help="host GB per rank; overrides the ratio unless 0 (default: %(default)s)",
+    )
+    size.add_argument("--json", action="store_true", help="print the plan as JSON")
     size.set_defaults(func=cmd_size)
 
     bench = sub.add_parser(
         "bench",
-        help="time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy",
+        formatter_class=raw,
+        help="time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy (CUDA)",
+        description="Time backups and loads of several host pools side by side on\n"
+        "one CUDA GPU. Exit 0 when the benchmark completed; with --check,\n"
+        "exit 1 if a cell misses its goal.",
     )
     bench.add_argument(
         "--geometries",
-        default="1x128,8x128,32x128",
-        help="KV heads x head_dim, comma separated",
+        type=geometries,
+        metavar="HxD[xL],...",
+        help="HEADSxHEAD_DIM[xLAYERS], comma separated; layers default to "
+        f"{BENCH_LAYERS} (default: bench.GEOMETRIES)",
     )
-    bench.add_argument("--pages", default="1,4,16,64,256,1024")
+    bench.add_argument(
+        "--pages",
+        type=page_counts,
+        metavar="N,...",
+        help="pages per transfer, comma separated (default: bench.PAGES)",
+    )
     bench.add_argument(
         "--ablations",
-        default="",
-        help="extra columns, ours with one choice undone: "
-        "stock (SGLang's kernel instead of ours), layer_workers, v1, rows128",
+        type=ablation_names,
+        metavar="NAME,...",
+        default=(),
+        help="extra columns: ours with one design choice undone, by the names in "
+        "tools/ablations.py (default: none)",
     )
-    bench.add_argument("--warmup", type=int, default=3)
-    bench.add_argument("--repeat", type=int, default=20)
-    bench.add_argument("--json-out", help="write the rows as JSON here")
+    bench.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        metavar="N",
+        default=3,
+        help="untimed rounds (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--repeat",
+        type=positive_int,
+        metavar="N",
+        default=20,
+        help="timed rounds, of which the median counts (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--json-out",
+        type=json_out_path,
+        metavar="PATH",
+        help="write the rows as JSON here",
+    )
+    bench.add_argument(
+        "--check", action="store_true", help="exit 1 if a cell misses its goal (CI)"
+    )
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UsageError, SizingError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
