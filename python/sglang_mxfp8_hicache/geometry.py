@@ -3,9 +3,12 @@
 SGLang's MXFP8 device pool (``MHATokenToKVPoolMXFP8``) keeps one UE8M0 scale
 byte per 32 fp8 elements. With page_size 128 the scales of one page and layer
 are stored in the FA4 interleaved atom ``(page, head, 32, page_size // 32,
-head_dim // 32)``, so they form one contiguous row of ``page_bytes`` bytes. The
-host mirrors exactly those rows, one per page and layer, which is why a page of
-scales is the unit every transfer moves.
+head_dim // 32)``, so they form one contiguous run of ``page_bytes`` bytes. A
+transfer moves whole pages of scales, cut into page chunks of ``row_bytes``:
+chunk j of a page starts ``j * row_tokens`` tokens' worth of scale bytes into
+it, so a token index times a stride addresses it, but its bytes are not those
+tokens' scales (the first 512 B of an 8x128 page are head 0's scales for all
+128 tokens).
 
 This module imports no CUDA code, so the CLI's ``size`` command and the CPU tests
 can use it anywhere.
@@ -26,11 +29,10 @@ MXFP8_SCALE_BLOCK = 32
 FP8_ITEMSIZE = 1
 
 SCALE_ROW_BYTES = 512
-"""Narrowest kernel row of scales. SGLang's JIT kernel gives each row to one
-worker, which walks every layer of it in turn: narrow rows keep more workers
-busy for few pages, wide rows read fewer indices per byte. On an H100, 512 B
-rows beat 128 B rows on large loads and lost to them only on one-page loads
-(docs/benchmarks.md, table E). A multiple of 128 B, as the kernel needs on CUDA."""
+"""Narrowest page chunk, one kernel worker's unit: narrow chunks keep more
+workers busy for few pages, wide ones read fewer indices per byte. On an H100,
+512 B chunks beat 128 B chunks on large loads and lost to them only on one-page
+loads (docs/benchmarks.md). A multiple of 128 B, as the kernel needs on CUDA."""
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class MXFP8ScaleGeometry:
 
     @property
     def page_bytes(self) -> int:
-        """Scale bytes of one side per page and layer: one host row, one kernel element."""
+        """Scale bytes of one side per page and layer: one contiguous device run."""
         return self.bytes_per_token * self.page_size
 
     @property
@@ -83,8 +85,10 @@ class MXFP8ScaleGeometry:
 
     @property
     def row_tokens(self) -> int:
-        """Tokens whose scales make one kernel row: the fewest consecutive tokens
-        of a page whose scale bytes are a multiple of ``min_row_bytes``."""
+        """The size of a page chunk in tokens' worth of scale bytes: the fewest
+        tokens whose scale bytes are a multiple of ``min_row_bytes``. A chunk
+        starts at a token index (times the stride) but holds a slice of the
+        page's interleaved scales, not these tokens' own."""
         tokens = self.min_row_bytes // math.gcd(
             self.bytes_per_token, self.min_row_bytes
         )
@@ -92,7 +96,7 @@ class MXFP8ScaleGeometry:
 
     @property
     def row_bytes(self) -> int:
-        """Kernel element size for scales: ``row_tokens`` tokens of one page and layer."""
+        """Bytes of one page chunk: one kernel worker's copy, per layer and side."""
         return self.row_tokens * self.bytes_per_token
 
     @property
@@ -100,11 +104,11 @@ class MXFP8ScaleGeometry:
         return self.page_size // self.row_tokens
 
     def host_page_layer(self, host_pages: torch.Tensor, layer: int) -> torch.Tensor:
-        """One layer's page rows, in device byte order, from host pages of one side.
+        """One layer's pages, in device byte order, from host pages of one side.
 
         The host keeps a page as ``(rows_per_page, layers, row_bytes)``, so that
-        the kernel reaches row ``j`` of layer ``l`` from the token index of the
-        row's first token times one fixed stride (see ``host_pool``).
+        the kernel reaches chunk ``j`` of layer ``l`` from a token index times
+        one fixed stride (see ``host_pool``).
         """
         return host_pages[..., layer, :].flatten(-2)
 
