@@ -25,12 +25,15 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   a packed [4, layers] uint64 table (host K, host V, device K, device V). Row
   ``i`` moves ``row_bytes`` per layer and side between host token ``h_i`` (times
   the host stride) and device token ``device_indices[i * row_tokens]`` (times
-  the device stride). ``load`` reads ``h_i = host_indices[i * row_tokens]``
-  (same dtype as the device indices) for ``len / row_tokens`` rows; ``backup``
-  takes CPU int64 host indices of whole pages, refuses a page that is not one
-  run of ``page_size`` tokens from a multiple of ``page_size``, and reads
-  ``h_i`` as the page's first token plus ``row * row_tokens``; one launch per
-  256 pages.
+  the device stride). Both refuse a count that is not whole pages. ``load``
+  reads ``h_i = host_indices[i * row_tokens]`` (same dtype as the device
+  indices); ``backup`` takes CPU int64 host indices of whole pages, refuses a
+  page that is not one run of ``page_size`` tokens from a multiple of
+  ``page_size``, and reads ``h_i`` as the page's first token plus
+  ``row * row_tokens``; one launch per 256 pages. On GPU-resident indices (the
+  device side always, the host side of a load) a chunk whose page is not such a
+  run, or that is not chunk ``row`` of it, is not moved, and ``refused`` becomes
+  (1 device | 2 host, the page's first token).
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -237,10 +240,33 @@ class EmulatedKernels:
                 )
             return host_indices.long()[::row_tokens]
 
+        def aligned_chunks(indices, row_tokens, page_size):
+            """Per chunk: its page is one aligned run and it is its row's chunk;
+            and each chunk's page start."""
+            pages = indices.long().cpu().view(-1, page_size)
+            starts = pages[:, 0]
+            page_ok = (starts >= 0) & (starts % page_size == 0)
+            page_ok &= pages[:, -1] == starts + page_size - 1
+            rows = page_size // row_tokens
+            chunk_pos = pages[:, ::row_tokens]
+            chunk_ok = chunk_pos == starts[:, None] + torch.arange(rows) * row_tokens
+            ok = (chunk_ok & page_ok[:, None]).reshape(-1)
+            return ok, starts.repeat_interleave(rows)
+
+        def refuse_bad_chunks(refused, checks):
+            """Keep the chunks every (side, indices) check passes; note a bad page."""
+            keep = None
+            for side, (ok, starts) in checks:
+                if not bool(ok.all()):
+                    refused[0], refused[1] = side, int(starts[~ok][0])
+                keep = ok if keep is None else keep & ok
+            return keep
+
         class Module:
             @staticmethod
             def backup(
                 tables,
+                refused,
                 host_indices,
                 device_indices,
                 host_stride,
@@ -273,17 +299,33 @@ class EmulatedKernels:
                     pages = starts.numel()
                     for _ in range(0, pages, scale_kernel.MAX_PAGES_PER_LAUNCH):
                         kernels.calls.append(("scale_rows_backup", row_bytes))
+                    checks = [
+                        (1, aligned_chunks(device_indices, row_tokens, page_size))
+                    ]
                 else:
                     host_rows = gpu_host_rows(
                         host_indices, device_indices, row_tokens, what
                     )
                     kernels.calls.append(("scale_rows_backup", row_bytes))
+                    checks = [
+                        (1, aligned_chunks(device_indices, row_tokens, page_size)),
+                        (2, aligned_chunks(host_indices, row_tokens, page_size)),
+                    ]
+                keep = refuse_bad_chunks(refused, checks)
                 device_rows = device_indices.long()[::row_tokens].cpu()
-                move(bases, host_rows, device_rows, host_stride, device_stride, True)
+                move(
+                    bases,
+                    host_rows[keep],
+                    device_rows[keep],
+                    host_stride,
+                    device_stride,
+                    True,
+                )
 
             @staticmethod
             def load(
                 tables,
+                refused,
                 host_indices,
                 device_indices,
                 host_stride,
@@ -303,8 +345,22 @@ class EmulatedKernels:
                     host_indices, device_indices, row_tokens, what
                 )
                 kernels.calls.append(("scale_rows_load", row_bytes))
+                keep = refuse_bad_chunks(
+                    refused,
+                    [
+                        (1, aligned_chunks(device_indices, row_tokens, page_size)),
+                        (2, aligned_chunks(host_indices, row_tokens, page_size)),
+                    ],
+                )
                 device_rows = device_indices.long()[::row_tokens]
-                move(bases, host_rows, device_rows, host_stride, device_stride, False)
+                move(
+                    bases,
+                    host_rows[keep],
+                    device_rows[keep],
+                    host_stride,
+                    device_stride,
+                    False,
+                )
 
         return Module()
 

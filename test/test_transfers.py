@@ -335,3 +335,55 @@ def test_class_is_ours(make_pools):
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     assert type(host) is MHATokenToKVPoolMXFP8Host
     assert isinstance(host._scale_kernel, scale_kernel.ScaleRowKernel)
+
+
+@pytest.mark.parametrize(
+    "direction, side",
+    [("load", "device"), ("load", "host"), ("backup", "device")],
+)
+def test_misaligned_gpu_indices_move_no_scales_and_raise_next(
+    make_pools, device, direction, side
+):
+    """Token indices that live on the GPU are checked by the kernel itself: the
+    scales of a page that is not one aligned run stay where they are, and the
+    pool's next transfer raises, naming the page (reading them on the CPU
+    would synchronise every transfer)."""
+    from sglang_mxfp8_hicache.scale_kernel import MXFP8ScaleIndexError
+
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=2)
+    fill_random([host.scale_host], torch.Generator().manual_seed(9))
+    scales = [*device_pool.k_scale_buffer, *device_pool.v_scale_buffer]
+    fill_random(scales, torch.Generator(device=device).manual_seed(10))
+    host_tokens = page_token_indices(torch.tensor([0, 1]))
+    device_tokens = page_token_indices(torch.tensor([2, 1]))
+    bad = host_tokens if side == "host" else device_tokens
+    bad[128:] = bad[128:].flip(0)  # page 1 runs backwards from token 255
+    before = _scale_pages(device_pool, host)
+    if direction == "load":
+        # Layer 0 moves its own scales only (the next call would raise).
+        host.load_to_device_per_layer(
+            device_pool, host_tokens.to(device), device_tokens.to(device), 0, IO_BACKEND
+        )
+        before = [side[:, :1] for side in before]
+    else:
+        host.backup_from_device_all_layer(
+            device_pool, host_tokens, device_tokens.to(device), IO_BACKEND
+        )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    after = [side[:, : before[0].shape[1]] for side in _scale_pages(device_pool, host)]
+    moved, kept = (0, 1) if direction == "load" else (1, 0)
+    # Page 0 of the transfer moved; page 1's chunks did not, on either side.
+    src_page, dst_page = (0, 2) if direction == "load" else (2, 0)
+    assert torch.equal(after[moved][:, :, dst_page], before[kept][:, :, src_page])
+    assert torch.equal(after[kept], before[kept])
+    untouched = [p for p in range(after[moved].shape[2]) if p != dst_page]
+    assert torch.equal(after[moved][:, :, untouched], before[moved][:, :, untouched])
+    with pytest.raises(
+        MXFP8ScaleIndexError, match=f"{side} page starting at token 255"
+    ):
+        host.load_to_device_per_layer(
+            device_pool, host_tokens.to(device), device_tokens.to(device), 0, IO_BACKEND
+        )
+    # Raised once: the pool serves the next transfer.
+    host._scale_kernel.raise_if_refused()

@@ -361,6 +361,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self, device_pool, host_indices, device_indices, io_backend
     ) -> None:
         self._require_kernel_io(io_backend)
+        self._scale_kernel.raise_if_refused()
         # Scales first: their CPU-side checks refuse a bad backup before any
         # byte moves, and the kernel runs while the payload's work is issued.
         self._scale_kernel.backup(
@@ -392,6 +393,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         before any of its layers' events (see ``doubling_layer_groups``).
         """
         self._require_kernel_io(io_backend)
+        self._scale_kernel.raise_if_refused()
         group_tables = self._load_group_tables.get(layer_id)
         if group_tables is not None:
             self._scale_kernel.load(

@@ -19,7 +19,11 @@ fixed stride on each side (see ``host_pool``).
 Both refuse, before anything moves, a transfer whose index count is not whole
 pages, and a backup whose CPU host indices are not whole aligned pages. Index
 values that live on the GPU are not read on the CPU: that would synchronise the
-transfer stream on every call.
+transfer stream on every call. Ours checks them in the kernel instead: a chunk
+whose page is not one aligned run stays where it is, the kernel notes the
+page's first token in a pinned word, and the pool's next transfer raises
+:class:`MXFP8ScaleIndexError` (the payload of that transfer has moved by then).
+SGLang's kernel does not check them.
 """
 
 from __future__ import annotations
@@ -55,8 +59,15 @@ class ScaleRowStrides:
     page_size: int
 
 
+class MXFP8ScaleIndexError(RuntimeError):
+    """A transfer named GPU token indices that are not whole aligned pages."""
+
+
 class ScaleKernel(Protocol):
     name: str
+
+    def raise_if_refused(self) -> None:
+        """Raise if an earlier launch refused a page (see the module docstring)."""
 
     def backup(
         self,
@@ -83,10 +94,11 @@ class ScaleKernel(Protocol):
 def scale_rows_module(row_bytes: int) -> Module:
     """``backup`` and ``load`` entry points for chunks of ``row_bytes`` bytes.
 
-    Both take (tables, host_indices, device_indices, host_stride, device_stride,
-    row_tokens, page_size, walk_layers); ``walk_layers``: a worker takes one
-    chunk through every layer, as SGLang's all-layer kernel does, rather than
-    one (chunk, layer).
+    Both take (tables, refused, host_indices, device_indices, host_stride,
+    device_stride, row_tokens, page_size, walk_layers); ``refused``: two pinned
+    int64 words the kernel sets to (1 device | 2 host, first token) for a page
+    it did not move; ``walk_layers``: a worker takes one chunk through every
+    layer, as SGLang's all-layer kernel does, rather than one (chunk, layer).
     """
     args = make_cpp_args(
         row_bytes,
@@ -111,10 +123,27 @@ class ScaleRowKernel:
 
     def __init__(self, row_bytes: int) -> None:
         self._module = scale_rows_module(row_bytes)
+        # Pinned, so the kernel can write it and the CPU read it, no copy.
+        pinned = torch.cuda.is_available()
+        self._refused = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+        self._refused_words = self._refused.numpy()  # read without a torch op
+
+    def raise_if_refused(self) -> None:
+        side, first_token = self._refused_words.tolist()
+        if not side:
+            return
+        self._refused.zero_()
+        raise MXFP8ScaleIndexError(
+            f"an earlier MXFP8 scale transfer named a {('device', 'host')[side - 1]} "
+            f"page starting at token {first_token} that is not one aligned run of "
+            "whole-page token indices: its scales were not moved, its payload was. "
+            "HiCache hands a host pool whole pages; whatever sent these did not."
+        )
 
     def backup(self, tables, host_indices, device_indices, strides, *, walk_layers):
         self._module.backup(
             tables,
+            self._refused,
             host_indices,
             device_indices,
             strides.host_stride,
@@ -127,6 +156,7 @@ class ScaleRowKernel:
     def load(self, tables, host_indices, device_indices, strides, *, walk_layers):
         self._module.load(
             tables,
+            self._refused,
             host_indices,
             device_indices,
             strides.host_stride,
@@ -185,6 +215,9 @@ class SGLangAllLayerKernel:
             unroll=hicache._default_unroll(row_bytes),
             block_quota=hicache.DEFAULT_BLOCK_QUOTA,
         ).launch_all
+
+    def raise_if_refused(self) -> None:
+        """SGLang's kernel checks no index values; nothing is ever refused."""
 
     @staticmethod
     def _chunk_indices(

@@ -16,7 +16,10 @@
 // The byte copy itself is SGLang's (device::load_vec / device::store_vec).
 //
 // Both wrappers check on the CPU, before anything is launched, that the
-// transfer is whole pages, and a backup's CPU host indices page by page.
+// transfer is whole pages, and a backup's CPU host indices page by page. Index
+// values on the GPU are checked by the kernel itself, chunk by chunk: a chunk
+// whose page is not one aligned run is not moved, and the first token of that
+// page goes to a pinned word the pool reads (reading it here would synchronise).
 
 #pragma once
 
@@ -51,8 +54,12 @@ struct ScaleRowShape {
   const uint64_t* __restrict__ tables;
   int64_t host_stride;    // bytes per token index, host side
   int64_t device_stride;  // bytes per token index, device side
+  // Pinned host words: [side (1 device, 2 host), first token of the page] of a
+  // page whose GPU indices are not one aligned run; 0 while none was seen.
+  int64_t* __restrict__ refused;
   uint32_t row_tokens;
   uint32_t rows_per_page;
+  uint32_t page_size;
   uint32_t num_layers;
   bool walk_layers;
 };
@@ -66,20 +73,53 @@ struct ScaleRowParams {
   int64_t host_page_starts[kMaxPages];  // first host token of each page, if host_indices is null
 };
 
-// K and V of chunk i, layer `layer`: one worker's copy.
-template <typename T, int64_t kRowBytes, uint32_t kLanesPerWorker, bool kToHost, bool kHostStarts, uint32_t kMaxPages>
-SGL_DEVICE void copy_scale_row(const ScaleRowParams<kMaxPages>& params, uint32_t i, uint32_t layer) {
-  using namespace device;
+// Chunk j of a page is page_start + j * row_tokens in token indices, on a
+// page that starts at a multiple of page_size and runs page_size tokens.
+template <typename T>
+SGL_DEVICE bool chunk_of_aligned_page(const T* indices, const ScaleRowShape& shape, uint32_t i, int64_t* pos) {
+  const uint32_t page = i / shape.rows_per_page;
+  const uint32_t row = i - page * shape.rows_per_page;
+  const T* page_tokens = indices + static_cast<int64_t>(page) * shape.page_size;
+  const int64_t start = page_tokens[0];
+  *pos = indices[static_cast<int64_t>(i) * shape.row_tokens];
+  return start >= 0 && start % shape.page_size == 0 && page_tokens[shape.page_size - 1] == start + shape.page_size - 1 &&
+         *pos == start + static_cast<int64_t>(row) * shape.row_tokens;
+}
+
+SGL_DEVICE void refuse_page(const ScaleRowShape& shape, int64_t side, int64_t page_start) {
+  volatile int64_t* refused = shape.refused;
+  refused[1] = page_start;
+  refused[0] = side;
+}
+
+// Where chunk i sits on both sides, or false (and the page reported) if one of
+// its GPU-indexed pages is not one aligned run.
+template <typename T, bool kHostStarts, uint32_t kMaxPages>
+SGL_DEVICE bool locate_chunk(const ScaleRowParams<kMaxPages>& params, uint32_t i, int64_t* host_pos, int64_t* device_pos) {
   const ScaleRowShape& shape = params.shape;
-  const int64_t device_pos = static_cast<const T*>(params.device_indices)[i * shape.row_tokens];
-  int64_t host_pos;
+  const auto device_tokens = static_cast<const T*>(params.device_indices);
+  if (!chunk_of_aligned_page(device_tokens, shape, i, device_pos)) {
+    refuse_page(shape, 1, device_tokens[static_cast<int64_t>(i / shape.rows_per_page) * shape.page_size]);
+    return false;
+  }
   if constexpr (kHostStarts) {
     const uint32_t page = i / shape.rows_per_page;
     const uint32_t row = i - page * shape.rows_per_page;
-    host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
+    *host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
   } else {
-    host_pos = static_cast<const T*>(params.host_indices)[i * shape.row_tokens];
+    const auto host_tokens = static_cast<const T*>(params.host_indices);
+    if (!chunk_of_aligned_page(host_tokens, shape, i, host_pos)) {
+      refuse_page(shape, 2, host_tokens[static_cast<int64_t>(i / shape.rows_per_page) * shape.page_size]);
+      return false;
+    }
   }
+  return true;
+}
+
+// K and V of one chunk and layer: one worker's copy.
+template <int64_t kRowBytes, uint32_t kLanesPerWorker, bool kToHost>
+SGL_DEVICE void copy_scale_chunk(const ScaleRowShape& shape, int64_t host_pos, int64_t device_pos, uint32_t layer) {
+  using namespace device;
   const uint32_t num_layers = shape.num_layers;
   const uint64_t* tables = shape.tables + layer;
   const int64_t host_offset = host_pos * shape.host_stride;
@@ -109,14 +149,19 @@ __global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(
   constexpr uint32_t kLanesPerWorker = device::copy_lanes_per_worker<kUnroll>();
   constexpr uint32_t kWorkersPerBlock = kBlockSize / kLanesPerWorker;
   constexpr uint32_t kNumWorkers = kWorkersPerBlock * kBlockQuota;
-  constexpr auto copy = copy_scale_row<T, kRowBytes, kLanesPerWorker, kToHost, kHostStarts, kMaxPages>;
+  constexpr auto locate = locate_chunk<T, kHostStarts, kMaxPages>;
+  constexpr auto copy = copy_scale_chunk<kRowBytes, kLanesPerWorker, kToHost>;
 
-  const uint32_t num_layers = params.shape.num_layers;
+  const ScaleRowShape& shape = params.shape;
+  const uint32_t num_layers = shape.num_layers;
   const uint32_t work_id = blockIdx.x * kWorkersPerBlock + threadIdx.x / kLanesPerWorker;
-  if (params.shape.walk_layers) {
+  int64_t host_pos, device_pos;
+  if (shape.walk_layers) {
     for (uint32_t i = work_id; i < params.num_rows; i += kNumWorkers) {
-      for (uint32_t layer = 0; layer < num_layers; ++layer) {
-        copy(params, i, layer);
+      if (locate(params, i, &host_pos, &device_pos)) {
+        for (uint32_t layer = 0; layer < num_layers; ++layer) {
+          copy(shape, host_pos, device_pos, layer);
+        }
       }
     }
   } else {
@@ -125,7 +170,9 @@ __global__ __launch_bounds__(kBlockSize, 1) void scale_rows_all_layer(
     const uint32_t num_items = params.num_rows * num_layers;
     for (uint32_t item = work_id; item < num_items; item += kNumWorkers) {
       const uint32_t i = item / num_layers;
-      copy(params, i, item - i * num_layers);
+      if (locate(params, i, &host_pos, &device_pos)) {
+        copy(shape, host_pos, device_pos, item - i * num_layers);
+      }
     }
   }
 }
@@ -172,6 +219,7 @@ struct ScaleRowKernel {
   // Shared checks of both directions; returns the shape of the launch.
   static ScaleRowShape check(
       const tvm::ffi::TensorView tables,
+      const tvm::ffi::TensorView refused,
       const tvm::ffi::TensorView host_indices,
       const tvm::ffi::TensorView device_indices,
       const int64_t host_stride,
@@ -186,6 +234,7 @@ struct ScaleRowKernel {
     TensorMatcher({4, L}).with_dtype<uint64_t>().with_device<kDLGPU>().verify(tables);
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().with_device<kDLGPU>().verify(device_indices);
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(host_indices);
+    TensorMatcher({2}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(refused);
     RuntimeCheck(row_tokens > 0 && page_size > 0 && page_size % row_tokens == 0, what, ": chunks must tile a page");
     RuntimeCheck(
         N.unwrap() % page_size == 0,
@@ -199,8 +248,10 @@ struct ScaleRowKernel {
         .tables = static_cast<const uint64_t*>(tables.data_ptr()),
         .host_stride = host_stride,
         .device_stride = device_stride,
+        .refused = static_cast<int64_t*>(refused.data_ptr()),
         .row_tokens = static_cast<uint32_t>(row_tokens),
         .rows_per_page = static_cast<uint32_t>(page_size / row_tokens),
+        .page_size = static_cast<uint32_t>(page_size),
         .num_layers = static_cast<uint32_t>(L.unwrap()),
         .walk_layers = walk_layers,
     };
@@ -238,6 +289,7 @@ struct ScaleRowKernel {
   // page_size, as the host pool allocates them; checked here) or on the GPU.
   static void backup(
       const tvm::ffi::TensorView tables,
+      const tvm::ffi::TensorView refused,
       const tvm::ffi::TensorView host_indices,
       const tvm::ffi::TensorView device_indices,
       const int64_t host_stride,
@@ -248,7 +300,16 @@ struct ScaleRowKernel {
     using namespace host;
     constexpr auto what = "MXFP8 scale backup";
     const auto shape = check(
-        tables, host_indices, device_indices, host_stride, device_stride, row_tokens, page_size, walk_layers, what);
+        tables,
+        refused,
+        host_indices,
+        device_indices,
+        host_stride,
+        device_stride,
+        row_tokens,
+        page_size,
+        walk_layers,
+        what);
     const auto host_device = host_indices.device().device_type;
     if (host_device != kDLCPU && host_device != kDLCUDAHost) {
       launch_from_gpu_indices<true>(shape, host_indices, device_indices, what);
@@ -291,6 +352,7 @@ struct ScaleRowKernel {
   // Host -> device, for the layers in `tables`. Both index tensors on the GPU.
   static void load(
       const tvm::ffi::TensorView tables,
+      const tvm::ffi::TensorView refused,
       const tvm::ffi::TensorView host_indices,
       const tvm::ffi::TensorView device_indices,
       const int64_t host_stride,
@@ -300,7 +362,16 @@ struct ScaleRowKernel {
       const bool walk_layers) {
     constexpr auto what = "MXFP8 scale load";
     const auto shape = check(
-        tables, host_indices, device_indices, host_stride, device_stride, row_tokens, page_size, walk_layers, what);
+        tables,
+        refused,
+        host_indices,
+        device_indices,
+        host_stride,
+        device_stride,
+        row_tokens,
+        page_size,
+        walk_layers,
+        what);
     launch_from_gpu_indices<false>(shape, host_indices, device_indices, what);
   }
 };
