@@ -31,9 +31,11 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   page that is not one run of ``page_size`` tokens from a multiple of
   ``page_size``, and reads ``h_i`` as the page's first token plus
   ``row * row_tokens``; one launch per 256 pages. On GPU-resident indices (the
-  device side always, the host side of a load) a chunk whose page is not such a
-  run, or that is not chunk ``row`` of it, is not moved, and ``refused`` becomes
-  (1 device | 2 host, the page's first token).
+  device side always, the host side of a load) a chunk that does not sit at its
+  page's aligned start plus ``row * row_tokens`` (the last chunk: or whose page
+  does not end ``page_size - 1`` tokens later) is not moved, and ``refused``
+  becomes (1 device | 2 host, the page's first token), the device side first.
+  An empty ``refused`` turns these checks off.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -241,25 +243,30 @@ class EmulatedKernels:
             return host_indices.long()[::row_tokens]
 
         def aligned_chunks(indices, row_tokens, page_size):
-            """Per chunk: its page is one aligned run and it is its row's chunk;
+            """Per chunk: it sits at its page's start plus its row, the page
+            starts aligned, and (the last chunk only) ends page_size - 1 later;
             and each chunk's page start."""
             pages = indices.long().cpu().view(-1, page_size)
-            starts = pages[:, 0]
-            page_ok = (starts >= 0) & (starts % page_size == 0)
-            page_ok &= pages[:, -1] == starts + page_size - 1
+            starts = pages[:, :1]
             rows = page_size // row_tokens
-            chunk_pos = pages[:, ::row_tokens]
-            chunk_ok = chunk_pos == starts[:, None] + torch.arange(rows) * row_tokens
-            ok = (chunk_ok & page_ok[:, None]).reshape(-1)
-            return ok, starts.repeat_interleave(rows)
+            ok = pages[:, ::row_tokens] == starts + torch.arange(rows) * row_tokens
+            ok &= (starts >= 0) & (starts % page_size == 0)
+            ok[:, -1] &= pages[:, -1] == starts[:, 0] + page_size - 1
+            return ok.reshape(-1), starts.expand(-1, rows).reshape(-1)
 
-        def refuse_bad_chunks(refused, checks):
-            """Keep the chunks every (side, indices) check passes; note a bad page."""
-            keep = None
-            for side, (ok, starts) in checks:
-                if not bool(ok.all()):
-                    refused[0], refused[1] = side, int(starts[~ok][0])
-                keep = ok if keep is None else keep & ok
+        def refuse_bad_chunks(refused, device_check, host_check=None):
+            """The chunks to move; a bad one's page start goes to ``refused``
+            (the device side first, as the kernel checks it first)."""
+            device_ok, device_starts = device_check
+            host_ok, host_starts = host_check or (torch.ones_like(device_ok), None)
+            if refused.numel() == 0:  # no words: the kernel checks nothing
+                return torch.ones_like(device_ok)
+            keep = device_ok & host_ok
+            if not bool(keep.all()):
+                chunk = int((~keep).nonzero()[0])
+                on_device = not bool(device_ok[chunk])
+                starts = device_starts if on_device else host_starts
+                refused[0], refused[1] = (1 if on_device else 2), int(starts[chunk])
             return keep
 
         class Module:
@@ -299,19 +306,17 @@ class EmulatedKernels:
                     pages = starts.numel()
                     for _ in range(0, pages, scale_kernel.MAX_PAGES_PER_LAUNCH):
                         kernels.calls.append(("scale_rows_backup", row_bytes))
-                    checks = [
-                        (1, aligned_chunks(device_indices, row_tokens, page_size))
-                    ]
+                    checks = [aligned_chunks(device_indices, row_tokens, page_size)]
                 else:
                     host_rows = gpu_host_rows(
                         host_indices, device_indices, row_tokens, what
                     )
                     kernels.calls.append(("scale_rows_backup", row_bytes))
                     checks = [
-                        (1, aligned_chunks(device_indices, row_tokens, page_size)),
-                        (2, aligned_chunks(host_indices, row_tokens, page_size)),
+                        aligned_chunks(device_indices, row_tokens, page_size),
+                        aligned_chunks(host_indices, row_tokens, page_size),
                     ]
-                keep = refuse_bad_chunks(refused, checks)
+                keep = refuse_bad_chunks(refused, *checks)
                 device_rows = device_indices.long()[::row_tokens].cpu()
                 move(
                     bases,
@@ -347,10 +352,8 @@ class EmulatedKernels:
                 kernels.calls.append(("scale_rows_load", row_bytes))
                 keep = refuse_bad_chunks(
                     refused,
-                    [
-                        (1, aligned_chunks(device_indices, row_tokens, page_size)),
-                        (2, aligned_chunks(host_indices, row_tokens, page_size)),
-                    ],
+                    aligned_chunks(device_indices, row_tokens, page_size),
+                    aligned_chunks(host_indices, row_tokens, page_size),
                 )
                 device_rows = device_indices.long()[::row_tokens]
                 move(

@@ -121,15 +121,17 @@ class ScaleRowKernel:
 
     name = "sglang-mxfp8-hicache scale_rows"
 
-    def __init__(self, row_bytes: int) -> None:
+    def __init__(self, row_bytes: int, *, check_gpu_indices: bool = True) -> None:
         self._module = scale_rows_module(row_bytes)
-        # Pinned, so the kernel can write it and the CPU read it, no copy.
+        # Pinned, so the kernel can write it and the CPU read it, no copy; no
+        # words: the kernel checks nothing (a bench ablation).
+        words = 2 if check_gpu_indices else 0
         pinned = torch.cuda.is_available()
-        self._refused = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+        self._refused = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
         self._refused_words = self._refused.numpy()  # read without a torch op
 
     def raise_if_refused(self) -> None:
-        side, first_token = self._refused_words.tolist()
+        side, first_token = self._refused_words.tolist() or (0, 0)
         if not side:
             return
         self._refused.zero_()

@@ -56,6 +56,7 @@ struct ScaleRowShape {
   int64_t device_stride;  // bytes per token index, device side
   // Pinned host words: [side (1 device, 2 host), first token of the page] of a
   // page whose GPU indices are not one aligned run; 0 while none was seen.
+  // Null: no checks (a bench ablation measures what they cost).
   int64_t* __restrict__ refused;
   uint32_t row_tokens;
   uint32_t rows_per_page;
@@ -73,17 +74,26 @@ struct ScaleRowParams {
   int64_t host_page_starts[kMaxPages];  // first host token of each page, if host_indices is null
 };
 
-// Chunk j of a page is page_start + j * row_tokens in token indices, on a
-// page that starts at a multiple of page_size and runs page_size tokens.
+// Chunk j of a page sits at token page_start + j * row_tokens, on a page that
+// starts at a multiple of page_size and (checked by its last chunk) ends
+// page_size - 1 tokens later. Every load is issued before the first compare.
+struct ChunkIndex {
+  int64_t pos;
+  int64_t page_start;
+  bool aligned;
+};
+
 template <typename T>
-SGL_DEVICE bool chunk_of_aligned_page(const T* indices, const ScaleRowShape& shape, uint32_t i, int64_t* pos) {
-  const uint32_t page = i / shape.rows_per_page;
-  const uint32_t row = i - page * shape.rows_per_page;
+SGL_DEVICE ChunkIndex read_chunk(const T* indices, const ScaleRowShape& shape, uint32_t page, uint32_t row) {
   const T* page_tokens = indices + static_cast<int64_t>(page) * shape.page_size;
+  const bool last_chunk = row + 1 == shape.rows_per_page;
   const int64_t start = page_tokens[0];
-  *pos = indices[static_cast<int64_t>(i) * shape.row_tokens];
-  return start >= 0 && start % shape.page_size == 0 && page_tokens[shape.page_size - 1] == start + shape.page_size - 1 &&
-         *pos == start + static_cast<int64_t>(row) * shape.row_tokens;
+  const int64_t pos = page_tokens[row * shape.row_tokens];
+  const int64_t last = last_chunk ? int64_t{page_tokens[shape.page_size - 1]} : start + shape.page_size - 1;
+  const bool aligned = start >= 0 && start % shape.page_size == 0 &&
+                       pos == start + static_cast<int64_t>(row) * shape.row_tokens &&
+                       last == start + shape.page_size - 1;
+  return {pos, start, aligned};
 }
 
 SGL_DEVICE void refuse_page(const ScaleRowShape& shape, int64_t side, int64_t page_start) {
@@ -93,27 +103,31 @@ SGL_DEVICE void refuse_page(const ScaleRowShape& shape, int64_t side, int64_t pa
 }
 
 // Where chunk i sits on both sides, or false (and the page reported) if one of
-// its GPU-indexed pages is not one aligned run.
+// its GPU-indexed pages is not one aligned run. Without a `refused` word (a
+// bench ablation) nothing is checked.
 template <typename T, bool kHostStarts, uint32_t kMaxPages>
 SGL_DEVICE bool locate_chunk(const ScaleRowParams<kMaxPages>& params, uint32_t i, int64_t* host_pos, int64_t* device_pos) {
   const ScaleRowShape& shape = params.shape;
-  const auto device_tokens = static_cast<const T*>(params.device_indices);
-  if (!chunk_of_aligned_page(device_tokens, shape, i, device_pos)) {
-    refuse_page(shape, 1, device_tokens[static_cast<int64_t>(i / shape.rows_per_page) * shape.page_size]);
-    return false;
-  }
+  const uint32_t page = i / shape.rows_per_page;
+  const uint32_t row = i - page * shape.rows_per_page;
+  const auto device = read_chunk(static_cast<const T*>(params.device_indices), shape, page, row);
+  *device_pos = device.pos;
+  bool host_aligned = true;
+  int64_t host_start;
   if constexpr (kHostStarts) {
-    const uint32_t page = i / shape.rows_per_page;
-    const uint32_t row = i - page * shape.rows_per_page;
-    *host_pos = params.host_page_starts[page] + static_cast<int64_t>(row) * shape.row_tokens;
+    host_start = params.host_page_starts[page];  // checked on the CPU
+    *host_pos = host_start + static_cast<int64_t>(row) * shape.row_tokens;
   } else {
-    const auto host_tokens = static_cast<const T*>(params.host_indices);
-    if (!chunk_of_aligned_page(host_tokens, shape, i, host_pos)) {
-      refuse_page(shape, 2, host_tokens[static_cast<int64_t>(i / shape.rows_per_page) * shape.page_size]);
-      return false;
-    }
+    const auto host = read_chunk(static_cast<const T*>(params.host_indices), shape, page, row);
+    *host_pos = host.pos;
+    host_start = host.page_start;
+    host_aligned = host.aligned;
   }
-  return true;
+  if (shape.refused == nullptr || (device.aligned && host_aligned)) {
+    return true;
+  }
+  refuse_page(shape, device.aligned ? 2 : 1, device.aligned ? host_start : device.page_start);
+  return false;
 }
 
 // K and V of one chunk and layer: one worker's copy.
@@ -234,7 +248,9 @@ struct ScaleRowKernel {
     TensorMatcher({4, L}).with_dtype<uint64_t>().with_device<kDLGPU>().verify(tables);
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().with_device<kDLGPU>().verify(device_indices);
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(host_indices);
-    TensorMatcher({2}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(refused);
+    auto R = SymbolicSize{"refused words"};
+    TensorMatcher({R}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(refused);
+    RuntimeCheck(R.unwrap() == 2 || R.unwrap() == 0, what, ": `refused` holds two words (none: no checks)");
     RuntimeCheck(row_tokens > 0 && page_size > 0 && page_size % row_tokens == 0, what, ": chunks must tile a page");
     RuntimeCheck(
         N.unwrap() % page_size == 0,
@@ -248,7 +264,7 @@ struct ScaleRowKernel {
         .tables = static_cast<const uint64_t*>(tables.data_ptr()),
         .host_stride = host_stride,
         .device_stride = device_stride,
-        .refused = static_cast<int64_t*>(refused.data_ptr()),
+        .refused = refused.numel() == 0 ? nullptr : static_cast<int64_t*>(refused.data_ptr()),
         .row_tokens = static_cast<uint32_t>(row_tokens),
         .rows_per_page = static_cast<uint32_t>(page_size / row_tokens),
         .page_size = static_cast<uint32_t>(page_size),

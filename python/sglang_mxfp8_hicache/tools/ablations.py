@@ -11,7 +11,18 @@ import torch
 from sglang.kernels.ops.kvcache import hicache
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+from sglang_mxfp8_hicache import scale_kernel
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+
+
+class UncheckedIndicesHost(MHATokenToKVPoolMXFP8Host):
+    """Our kernel without its checks of GPU-resident token indices."""
+
+    def _init_scale_transfer(self, buffer_info) -> None:
+        super()._init_scale_transfer(buffer_info)
+        self._scale_kernel = scale_kernel.ScaleRowKernel(
+            self.scale_geometry.row_bytes, check_gpu_indices=False
+        )
 
 
 class StockKernelHost(MHATokenToKVPoolMXFP8Host):
@@ -111,6 +122,7 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "stock": StockKernelHost,
+    "unchecked": UncheckedIndicesHost,
     "load_at_layer0": LoadAtLayerZeroHost,
     "load_each_layer": LoadEachLayerHost,
     "load_walk_layers": LoadWalkLayersHost,
