@@ -20,31 +20,15 @@ from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
-    device_buffers,
 )
 
-
-def cpu_pools(
-    kernels, *, heads, head_dim, layers, pages, host_cls=MHATokenToKVPoolMXFP8Host
-):
-    device_pool = build_device_pool(
-        head_num=heads,
-        head_dim=head_dim,
-        layer_num=layers,
-        pages=2 * pages + 1,
-        device="cpu",
-    )
-    kernels.pointers.register(device_buffers(device_pool))
-    host = build_host_pool(
-        device_pool, host_cls, host_to_device_ratio=0.75, pin_memory=False
-    )
-    if isinstance(host, MHATokenToKVPoolMXFP8Host):
-        kernels.pointers.register([host.scale_host])
-    return device_pool, host
+# Built and inspected on the CPU only: the transfers are in test_transfers.py.
+on_cpu = pytest.mark.parametrize("device", ["cpu"], indirect=True)
 
 
-def test_sizing_counts_scales(cpu_kernels):
-    device_pool, host = cpu_pools(cpu_kernels, heads=8, head_dim=128, layers=4, pages=2)
+@on_cpu
+def test_sizing_counts_scales(make_pools):
+    _, host = make_pools(heads=8, head_dim=128, layers=4, pages=2)
     payload = 2 * 8 * 128 * 4
     scales = 2 * 8 * 4 * 4
     assert host.get_size_per_token() == payload + scales
@@ -259,6 +243,7 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 
+@on_cpu
 @pytest.mark.parametrize(
     "method, args",
     [
@@ -269,8 +254,8 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
         ("get_split_heads_page_buffer_meta", (torch.zeros(128, dtype=torch.int64), 2)),
     ],
 )
-def test_storage_interface_refuses(cpu_kernels, method, args):
-    _, host = cpu_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
+def test_storage_interface_refuses(make_pools, method, args):
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     with pytest.raises(NotImplementedError, match="without --hicache-storage-backend"):
         getattr(host, method)(*args)
 
@@ -300,8 +285,9 @@ def test_destroy_after_half_built(cpu_kernels, mxfp8_pool, monkeypatch):
     assert destroyed == [True]
 
 
-def test_destroy_is_idempotent(cpu_kernels):
-    _, host = cpu_pools(cpu_kernels, heads=2, head_dim=128, layers=2, pages=2)
+@on_cpu
+def test_destroy_is_idempotent(make_pools):
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     host.destroy()
     host.destroy()
     assert host.scale_host is None and host.kv_buffer is None
