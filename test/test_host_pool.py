@@ -12,6 +12,7 @@ from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import host_pool as host_pool_module
+from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
     MXFP8HiCacheConfigError,
@@ -166,10 +167,12 @@ def test_refuses_draft_layers(cpu_kernels, no_allocation, mxfp8_pool):
         )
 
 
-def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool):
+@pytest.mark.parametrize("backend", sorted(storage.REFUSED_STORAGE_BACKENDS))
+def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool, backend):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="without --hicache-storage-backend"
+        MXFP8HiCacheConfigError,
+        match=f"--hicache-storage-backend {backend} cannot store MXFP8 pages",
     ):
         MHATokenToKVPoolMXFP8Host(
             info,
@@ -177,7 +180,7 @@ def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool):
             0,
             128,
             "page_first",
-            allocator_type="file",
+            allocator_type=backend,
             **_kwargs(mxfp8_pool),
         )
 
@@ -241,23 +244,6 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="--kv-cache-dtype mxfp8 only"):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
-
-
-@on_cpu
-@pytest.mark.parametrize(
-    "method, args",
-    [
-        ("get_data_page", (0,)),
-        ("get_dummy_flat_data_page", ()),
-        ("set_from_flat_data_page", (0, None)),
-        ("get_page_buffer_meta", (torch.zeros(128, dtype=torch.int64),)),
-        ("get_split_heads_page_buffer_meta", (torch.zeros(128, dtype=torch.int64), 2)),
-    ],
-)
-def test_storage_interface_refuses(make_pools, method, args):
-    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
-    with pytest.raises(NotImplementedError, match="without --hicache-storage-backend"):
-        getattr(host, method)(*args)
 
 
 def test_destroy_after_half_built(cpu_kernels, mxfp8_pool, monkeypatch):

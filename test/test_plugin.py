@@ -76,10 +76,15 @@ def recorded_hooks(monkeypatch):
 
 
 def test_register_is_idempotent(recorded_hooks):
+    from sglang_mxfp8_hicache import storage
+
     plugin.register()
     plugin.register()
-    assert len(recorded_hooks) == 1
-    assert recorded_hooks[0][0] == plugin.HOOK_TARGET
+    assert [call[0] for call in recorded_hooks] == [
+        plugin.HOOK_TARGET,
+        storage.FACTORY_HOOK_TARGET,
+        storage.FILE_GET_HOOK_TARGET,
+    ]
     assert plugin.is_registered()
 
 

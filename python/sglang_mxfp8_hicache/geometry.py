@@ -112,6 +112,19 @@ class MXFP8ScaleGeometry:
         """
         return host_pages[..., layer, :].flatten(-2)
 
+    def storage_format_tag(self, *, layer_num: int, version: int) -> str:
+        """SGLang's L3 key tag for pages of this geometry.
+
+        Names the format, its version and every number that fixes a page's
+        bytes (layers, heads, head_dim, page size, and the chunk the host
+        scales are cut in), so that a page of another format, version or
+        geometry never shares a key with one of ours.
+        """
+        return (
+            f"mxfp8v{version}-l{layer_num}h{self.head_num}d{self.head_dim}"
+            f"p{self.page_size}r{self.row_tokens}"
+        )
+
     def host_bytes(self, *, page_num: int, layer_num: int) -> int:
         """Host bytes of the K and V scale mirrors for ``page_num`` pages."""
         return 2 * page_num * layer_num * self.page_bytes

@@ -28,6 +28,12 @@ token index of the transfer itself, so no index is prepared on the CPU:
          only, and a load of L layers costs 1 + ceil(log2 L) launches
 
 The payload moves through the base class unchanged.
+
+L3 storage (``file``, ``mooncake``; see ``storage``) sees a page as two parts,
+K payload then K scales and V payload then V scales, each one contiguous host
+span: zero-copy backends get ``[[k, k_scale], [v, v_scale]]`` pointers per page,
+the flat page is the four spans in that order, and ``storage_format_tag`` puts
+the format, its version and the byte geometry into SGLang's keys.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from sglang.srt.utils import is_cuda, is_hip
 from sglang_mxfp8_hicache import scale_kernel
 from sglang_mxfp8_hicache.geometry import SCALE_ROW_BYTES, MXFP8ScaleGeometry
 from sglang_mxfp8_hicache.scale_kernel import ScaleKernelUnavailable, ScaleRowStrides
+from sglang_mxfp8_hicache.storage import storage_refusal
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
@@ -58,7 +65,8 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_LAYOUT = "page_first"
 SUPPORTED_IO_BACKEND = "kernel"
-NO_STORAGE_ALLOCATOR = "default"
+STORAGE_FORMAT_VERSION = 1
+"""Bumped whenever the bytes of a stored page change meaning; it is in the keys."""
 
 
 class MXFP8HiCacheConfigError(ValueError):
@@ -82,13 +90,6 @@ def doubling_layer_groups(layer_num: int) -> list[range]:
     layer 0), for 1 + ceil(log2 L) launches instead of one per layer."""
     starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
     return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
-
-
-def _storage_unsupported(method: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"MXFP8 HiCache host pool: {method} would move the fp8 payload without its "
-        "scales, so L3 storage is not supported; run without --hicache-storage-backend."
-    )
 
 
 class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
@@ -175,6 +176,12 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 host_token_capacity=host_token_capacity,
             )
             self._init_scale_transfer(buffer_info)
+            self.storage_format_tag = self.scale_geometry.storage_format_tag(
+                layer_num=self.layer_num, version=STORAGE_FORMAT_VERSION
+            )
+            self._k_ptr, self._v_ptr, self._k_scale_ptr, self._v_scale_ptr = (
+                buf.data_ptr() for buf in self.get_hybrid_pool_buffer()
+            )
         except BaseException:
             self.destroy()
             raise
@@ -249,11 +256,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "speculative decoding) are not supported yet; drop "
                 "--speculative-algorithm or --enable-hierarchical-cache."
             )
-        if allocator_type != NO_STORAGE_ALLOCATOR:
-            raise refuse(
-                f"L3 storage (allocator {allocator_type!r}) would persist pages "
-                "without their scales; run without --hicache-storage-backend."
-            )
+        storage_reason = storage_refusal(allocator_type)
+        if storage_reason is not None:
+            raise refuse(storage_reason)
         if not current_platform.capabilities.hicache_device_kernels:
             raise refuse(
                 "the JIT HiCache kernels need a CUDA or ROCm GPU; this platform has "
@@ -420,17 +425,108 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self.scale_host = None
         super().destroy()
 
+    # L3 storage: a page is [K payload | K scales] [V payload | V scales].
+
+    def _storage_parts(self, index: int) -> tuple[torch.Tensor, ...]:
+        """The four byte spans of the host page at token ``index``, in L3 order:
+        K payload, K scales, V payload, V scales (flat uint8 views)."""
+        if index % self.page_size:
+            raise ValueError(
+                f"{self.pool_label}: L3 page index {index} is not a page start "
+                f"(page_size {self.page_size})"
+            )
+        page = index // self.page_size
+        tokens = slice(index, index + self.page_size)
+        return (
+            self.k_buffer[tokens].view(torch.uint8).view(-1),
+            self.k_scale_host[page].view(-1),
+            self.v_buffer[tokens].view(torch.uint8).view(-1),
+            self.v_scale_host[page].view(-1),
+        )
+
+    @property
+    def storage_part_bytes(self) -> tuple[int, int]:
+        """Bytes of one page's K (or V) payload and of its scales on L3."""
+        payload = (
+            self.page_size
+            * self.layer_num
+            * self.scale_geometry.payload_bytes_per_token
+        )
+        return payload, self.layer_num * self.scale_geometry.page_bytes
+
+    def describe_storage_page(self) -> str:
+        payload, scales = self.storage_part_bytes
+        return (
+            f"[K {payload} B | K scales {scales} B] [V {payload} B | V scales "
+            f"{scales} B] per page"
+        )
+
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        raise _storage_unsupported("get_data_page")
+        """The page as one flat uint8 tensor (a copy): the L3 byte order."""
+        if not flat:
+            raise NotImplementedError(
+                f"{self.pool_label}: an MXFP8 page has no non-flat shape that "
+                "holds its scales; only flat pages and get_page_buffer_meta exist."
+            )
+        return torch.cat(self._storage_parts(int(index)))
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        raise _storage_unsupported("get_dummy_flat_data_page")
+        # A read target for one page; plain memory, as it is copied on the CPU.
+        return torch.empty(2 * sum(self.storage_part_bytes), dtype=torch.uint8)
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        raise _storage_unsupported("set_from_flat_data_page")
+        parts = self._storage_parts(int(index))
+        data = data_page.view(-1).view(torch.uint8)
+        if data.numel() != sum(part.numel() for part in parts):
+            raise ValueError(
+                f"{self.pool_label}: flat page of {data.numel()} bytes, an MXFP8 "
+                f"page of this pool is {sum(part.numel() for part in parts)}: "
+                f"{self.describe_storage_page()}"
+            )
+        for part, src in zip(
+            parts, data.split([p.numel() for p in parts]), strict=True
+        ):
+            part.copy_(src)
 
     def get_page_buffer_meta(self, indices):
-        raise _storage_unsupported("get_page_buffer_meta")
+        """Per page ``[k, k_scale]`` then ``[v, v_scale]`` host pointers and sizes.
+
+        Two entries per page, as Mooncake's MHA path demands; each is a list of
+        two spans, which it stores as one object, the parts concatenated. The
+        pointers are those of ``_storage_parts``, computed without a view.
+        """
+        payload_bytes, scale_bytes = self.storage_part_bytes
+        sizes = [payload_bytes, scale_bytes]
+        payload_token_bytes = payload_bytes // self.page_size
+        ptrs, lengths = [], []
+        for index in indices[:: self.page_size].tolist():
+            if index % self.page_size:
+                raise ValueError(
+                    f"{self.pool_label}: L3 page index {index} is not a page start "
+                    f"(page_size {self.page_size})"
+                )
+            payload = index * payload_token_bytes
+            scales = index // self.page_size * scale_bytes
+            ptrs.append([self._k_ptr + payload, self._k_scale_ptr + scales])
+            ptrs.append([self._v_ptr + payload, self._v_scale_ptr + scales])
+            lengths += [sizes, sizes]
+        return ptrs, lengths
+
+    def get_page_buffer_element_size(self, split_factor: int = 1) -> int:
+        """Bytes of one stored object: a page's K (or V) payload and its scales."""
+        if split_factor != 1:
+            raise NotImplementedError(
+                f"{self.pool_label}: MXFP8 pages cannot be split by heads "
+                "(the page_head layout is not served)"
+            )
+        return sum(self.storage_part_bytes)
+
+    def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
+        # Every host tensor a zero-copy backend must register.
+        return [self.k_buffer, self.v_buffer, self.k_scale_host, self.v_scale_host]
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor):
-        raise _storage_unsupported("get_split_heads_page_buffer_meta")
+        raise NotImplementedError(
+            f"{self.pool_label}: MXFP8 pages cannot be split by heads "
+            "(the page_head layout is not served)"
+        )

@@ -1,0 +1,136 @@
+"""L3 storage driven the way SGLang's cache controller drives it, without its threads.
+
+``open`` does what ``HiCacheController.attach_storage_backend`` does: the
+storage config keyed by ``storage_model_name`` (so the pool's
+``storage_format_tag`` is in every key), ``StorageBackendFactory.create_backend``
+and ``register_mem_pool_host``. The page moves are the controller's own
+functions, called unbound on this object: ``_generic_page_set/_get`` for
+``file``, ``_page_set/_get_zero_copy`` for ``mooncake`` (its list at
+``cache_controller.py:641-657``), and ``_storage_hit_query`` for the prefix that
+is in L3. What is left out is the queues and threads around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ZERO_COPY_BACKENDS = ("mooncake",)
+"""The backends we serve that SGLang's controller drives through batch_*_v1."""
+
+
+def page_hashes(tokens: list[int], page_size: int) -> list[str]:
+    """SGLang's chained per-page keys for ``tokens`` (no namespace, no salt)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens, None, page_size=page_size)
+
+
+@dataclass
+class StoragePageIO:
+    backend_name: str
+    storage_backend: Any
+    storage_host_pool: Any
+
+    @property
+    def mem_pool_host(self) -> Any:
+        return self.storage_host_pool
+
+    @property
+    def page_size(self) -> int:
+        return self.storage_host_pool.page_size
+
+    @classmethod
+    def open(
+        cls,
+        backend_name: str,
+        host_pool: Any,
+        *,
+        model_name: str = "model",
+        extra_config: dict | None = None,
+    ) -> StoragePageIO:
+        from sglang.srt.managers.cache_controller import storage_model_name
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+        config = HiCacheStorageConfig(
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=False,
+            enable_storage_metrics=False,
+            is_page_first_layout=host_pool.layout.startswith("page_first"),
+            model_name=storage_model_name(model_name, host_pool),
+            extra_config=dict(extra_config or {}),
+        )
+        backend = StorageBackendFactory.create_backend(backend_name, config, host_pool)
+        backend.register_mem_pool_host(host_pool)
+        return cls(backend_name, backend, host_pool)
+
+    @property
+    def zero_copy(self) -> bool:
+        return self.backend_name in ZERO_COPY_BACKENDS
+
+    def _batches(self, hashes: list[str], host_indices: torch.Tensor):
+        """(keys, host indices) of at most STORAGE_BATCH_SIZE pages, as the
+        controller's ``_page_backup`` and ``_page_transfer`` cut them."""
+        from sglang.srt.mem_cache.hicache_storage import STORAGE_BATCH_SIZE
+
+        for start in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            keys = hashes[start : start + STORAGE_BATCH_SIZE]
+            tokens = slice(start * self.page_size, (start + len(keys)) * self.page_size)
+            yield keys, host_indices[tokens]
+
+    def backup(self, hashes: list[str], host_indices: torch.Tensor) -> bool:
+        """Host pages to L3; stops at the first batch that fails, as the controller does."""
+        from sglang.srt.managers.cache_controller import HiCacheController
+
+        page_set = (
+            HiCacheController._page_set_zero_copy
+            if self.zero_copy
+            else HiCacheController._generic_page_set
+        )
+        return all(page_set(self, k, i) for k, i in self._batches(hashes, host_indices))
+
+    def hit_query(self, tokens: list[int]) -> list[str]:
+        """The keys of the leading pages of ``tokens`` that L3 holds."""
+        from sglang.srt.managers.cache_controller import (
+            HiCacheController,
+            PrefetchOperation,
+        )
+
+        hashes, _ = HiCacheController._storage_hit_query(
+            self, PrefetchOperation("query", tokens)
+        )
+        return hashes
+
+    def fetch(self, hashes: list[str], host_indices: torch.Tensor) -> int:
+        """L3 pages into host pages; the number of leading pages that arrived."""
+        from sglang.srt.managers.cache_controller import (
+            HiCacheController,
+            PrefetchOperation,
+        )
+
+        operation = PrefetchOperation("fetch", [])
+        page_get = (
+            HiCacheController._page_get_zero_copy
+            if self.zero_copy
+            else HiCacheController._generic_page_get
+        )
+        arrived = 0
+        for keys, indices in self._batches(hashes, host_indices):
+            hits = page_get(self, operation, keys, indices)
+            arrived += hits
+            if hits < len(keys):
+                break
+        return arrived
+
+    def close(self) -> None:
+        close = getattr(self.storage_backend, "close", None)
+        if close is not None:
+            close()
