@@ -117,3 +117,23 @@ def make_pools(device, request):
     yield make
     for host in hosts:
         host.destroy()
+
+
+@pytest.fixture(scope="session")
+def mooncake():
+    """A real Mooncake master and storage node on 127.0.0.1 for the session
+    (``tools.mooncake_loopback``); skips where Mooncake cannot run.
+
+    Pass ``mooncake.extra_config()`` as the storage config's ``extra_config``:
+    the test's client then holds no segment and every byte crosses TCP.
+    """
+    from sglang_mxfp8_hicache.tools.mooncake_loopback import (
+        MooncakeLoopback,
+        mooncake_available,
+    )
+
+    reason = mooncake_available()
+    if reason is not None:
+        pytest.skip(f"Mooncake unavailable: {reason}")
+    with MooncakeLoopback() as service:
+        yield service

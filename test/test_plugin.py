@@ -83,7 +83,6 @@ def test_register_is_idempotent(recorded_hooks):
     assert [call[0] for call in recorded_hooks] == [
         plugin.HOOK_TARGET,
         storage.FACTORY_HOOK_TARGET,
-        storage.FILE_GET_HOOK_TARGET,
     ]
     assert plugin.is_registered()
 

@@ -6,9 +6,9 @@ SGLang calls ``load_plugins()`` at the start of every process it spawns
 ``sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls``. The hook answers
 ``MHATokenToKVPoolMXFP8Host`` (ours) for an MXFP8 device pool, in place of the
 class SGLang would pick itself, and SGLang's own answer for everything else.
-It also hooks L3 storage (see ``storage``): the backend factory refuses, by
-name, a backend that cannot carry MXFP8 pages, and ``HiCacheFile`` misses a
-wrong-sized page instead of reading it. Both act only on our pools.
+It also hooks SGLang's storage backend factory (see ``storage``): for our pools
+it refuses, by name, a backend that cannot carry MXFP8 pages, and makes a
+stored page of the wrong size a miss on the backends it allows.
 
 Environment:
     SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
@@ -149,9 +149,6 @@ def register() -> None:
 
     HookRegistry.register(HOOK_TARGET, select_host_pool_cls, HookType.AROUND)
     HookRegistry.register(
-        storage.FACTORY_HOOK_TARGET, storage.refuse_unsupported_backend, HookType.AROUND
-    )
-    HookRegistry.register(
-        storage.FILE_GET_HOOK_TARGET, storage.file_batch_get_checked, HookType.AROUND
+        storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend, HookType.AROUND
     )
     _registered = True

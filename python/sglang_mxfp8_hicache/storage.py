@@ -1,24 +1,27 @@
-"""L3 storage of MXFP8 pages: which SGLang backends may carry them, and two hooks.
+"""L3 storage of MXFP8 pages: which SGLang backends may carry them, and a size check.
 
 The page format itself is the host pool's (``get_page_buffer_meta``,
-``get_data_page``, ``storage_format_tag``; docs/design.md). This module decides
-which ``--hicache-storage-backend`` may see such a pool, and guards the one
-backend that cannot tell a wrong-sized page from a good one:
+``get_data_page``, ``storage_format_tag``; docs/design.md). This module hooks
+``StorageBackendFactory.create_backend`` (AROUND), which every backend SGLang
+builds passes, at startup and through ``attach_storage_backend`` alike. For a
+pool of ours it
 
-* ``StorageBackendFactory.create_backend`` (AROUND): every backend SGLang
-  builds, at startup and through ``attach_storage_backend``, passes here. A
-  backend that would move the payload without the scales is refused by name
-  before it is built.
-* ``HiCacheFile.batch_get`` (AROUND): ``HiCacheFile.get`` reads a longer file
-  into the page without a word and raises on a shorter one, which costs the
-  whole batch. For an MXFP8 pool a file whose size is not the page's is a
-  miss, logged once per batch, and nothing of it is read.
+* refuses, by name and before it is built, a backend that would move the
+  payload without the scales;
+* guards the read of the backend it builds: a stored page whose size is not
+  this format's, or that misses a part, is a miss, logged once per batch, and
+  none of its bytes, nor those of the pages after it in the batch, reach the
+  host pool. Neither backend does that alone: ``HiCacheFile.get`` reads a
+  longer file into the page without a word and raises on a shorter one (which
+  costs the whole batch), and Mooncake writes the parts of a page that are
+  fine into host memory before it fails the part that is not.
 
-Both hooks leave every pool that is not ours to SGLang unchanged.
+Every other pool's backend is left to SGLang unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -34,7 +37,6 @@ logger = logging.getLogger(__name__)
 FACTORY_HOOK_TARGET = (
     "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory.create_backend"
 )
-FILE_GET_HOOK_TARGET = "sglang.srt.mem_cache.hicache_storage.HiCacheFile.batch_get"
 
 NO_STORAGE = "default"
 """``get_allocator_type()`` without ``--hicache-storage-backend``."""
@@ -83,7 +85,7 @@ def mxfp8_host_pools(host_pool: Any) -> list[MHATokenToKVPoolMXFP8Host]:
     return [p for p in pools if isinstance(p, MHATokenToKVPoolMXFP8Host)]
 
 
-def refuse_unsupported_backend(
+def guard_storage_backend(
     original: Callable[..., Any],
     factory: type,
     backend_name: str,
@@ -99,51 +101,125 @@ def refuse_unsupported_backend(
 
         raise MXFP8HiCacheConfigError(f"{pools[0].pool_label}: MXFP8 HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
-    for pool in pools:
-        logger.info(
-            "%s: MXFP8 pages go to L3 backend %r as %r (key tag %r).",
-            pool.pool_label,
-            backend_name,
-            pool.describe_storage_page(),
-            pool.storage_format_tag,
-        )
+    if pools:
+        _guard_reads(backend, backend_name)
+        for pool in pools:
+            logger.info(
+                "%s: MXFP8 pages go to L3 backend %r as %s, key tag %r; a stored "
+                "page of another size is a miss.",
+                pool.pool_label,
+                backend_name,
+                pool.describe_storage_page(),
+                pool.storage_format_tag,
+            )
     return backend
 
 
-def file_batch_get_checked(
-    original: Callable[..., Any],
+def _guard_reads(backend: Any, backend_name: str) -> None:
+    """Wrap the read the controller calls on this backend instance (the inner
+    one under SGLang's test failure injector) with its size check."""
+    method, check = {
+        "file": ("batch_get", _file_batch_get_checked),
+        "mooncake": ("batch_get_v1", _mooncake_batch_get_checked),
+    }[backend_name]
+    inner = getattr(backend, "_backend", backend)
+    read = getattr(inner, method)
+
+    @functools.wraps(read)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        return check(read, inner, *args, **kwargs)
+
+    setattr(inner, method, checked)
+
+
+def _leading_good_pages(
+    wrong: list[tuple[str, int, int]], pages: int, first_wrong: int
+) -> int:
+    """Logs the batch's wrong-sized pages once; the pages before the first."""
+    if wrong:
+        key, found, expected = wrong[0]
+        logger.warning(
+            "MXFP8 L3: %d of %d pages in this batch are missing a part or have the "
+            "wrong size; they and the pages after the first of them are treated as "
+            "not in L3 (first: %s, %d bytes, expected %d).",
+            len(wrong),
+            pages,
+            key,
+            found,
+            expected,
+        )
+    return first_wrong
+
+
+def _file_batch_get_checked(
+    read: Callable[..., Any],
     backend: Any,
     keys: Sequence[str],
-    target_locations: Sequence[torch.Tensor] | None,
+    target_locations: Sequence[torch.Tensor],
     target_sizes: Any = None,
 ) -> list[torch.Tensor | None]:
-    """AROUND hook on ``HiCacheFile.batch_get``: a file that is not exactly one
-    page of the pool's format is a miss (None), and the batch logs one line."""
-    if not mxfp8_host_pools(getattr(backend, "mem_pool_host", None)) or not keys:
-        return original(backend, keys, target_locations, target_sizes)
+    """``HiCacheFile.batch_get``, reading only the leading files of exactly one page."""
     wrong: list[tuple[str, int, int]] = []
-    results: list[torch.Tensor | None] = []
-    for key, target in zip(keys, target_locations, strict=True):
+    first_wrong = len(keys)
+    for n, (key, target) in enumerate(zip(keys, target_locations, strict=True)):
         expected = target.numel() * target.element_size()
         path = os.path.join(backend.file_path, f"{backend._get_suffixed_key(key)}.bin")
         try:
             found = os.path.getsize(path)
         except OSError:
-            found = expected  # missing: HiCacheFile.get logs and misses itself
+            continue  # missing: HiCacheFile.get logs it and misses
         if found != expected:
             wrong.append((key, found, expected))
-            results.append(None)
-        else:
-            results.append(backend.get(key, target))
-    if wrong:
-        key, found, expected = wrong[0]
-        logger.warning(
-            "HiCacheFile: %d of %d MXFP8 pages in this batch have the wrong size and "
-            "are treated as not in L3 (first: %s, %d bytes, expected %d).",
-            len(wrong),
-            len(keys),
-            key,
-            found,
-            expected,
-        )
-    return results
+            first_wrong = min(first_wrong, n)
+    good = _leading_good_pages(wrong, len(keys), first_wrong)
+    return [*read(keys[:good], target_locations[:good]), *[None] * (len(keys) - good)]
+
+
+def _mooncake_batch_get_checked(
+    read: Callable[..., Any],
+    store: Any,
+    keys: list[str],
+    host_indices: torch.Tensor,
+    extra_info: Any = None,
+) -> list[bool]:
+    """``MooncakeStore.batch_get_v1``, reading only the leading pages whose
+    objects all exist with exactly the sizes the pool asks for (one master
+    query): Mooncake would write the K part of a page whose V part is missing."""
+    if not keys:
+        return read(keys, host_indices, extra_info)
+    object_keys, _, part_sizes = store._batch_preprocess(
+        store._tag_keys(keys), host_indices
+    )
+    found = _mooncake_object_sizes(store.store, object_keys)
+    per_page = len(object_keys) // len(keys)
+    wrong: list[tuple[str, int, int]] = []
+    first_wrong = len(keys)
+    for n, (key, sizes) in enumerate(zip(object_keys, part_sizes, strict=True)):
+        size = found.get(key)
+        if size is not None and size != sum(sizes):
+            wrong.append((key, size, sum(sizes)))
+            first_wrong = min(first_wrong, n // per_page)
+    good = _leading_good_pages(wrong, len(keys), first_wrong)
+    page_size = len(host_indices) // len(keys)
+    results = (
+        read(keys[:good], host_indices[: good * page_size], extra_info) if good else []
+    )
+    return [*results, *[False] * (len(keys) - good)]
+
+
+MISSING = -1
+"""Size reported for an object the master does not know."""
+
+
+def _mooncake_object_sizes(client: Any, object_keys: list[str]) -> dict[str, int]:
+    """Each object's size, from its first memory replica; MISSING for an object
+    the master does not know. An object held only on disk (SSD offload) names
+    no size here and is left out: Mooncake's own read checks it."""
+    sizes = dict.fromkeys(object_keys, MISSING)
+    for key, replicas in client.batch_get_replica_desc(object_keys).items():
+        memory = [r for r in replicas if r.is_memory_replica()]
+        if memory:
+            sizes[key] = memory[0].get_memory_descriptor().buffer_descriptor.size
+        elif replicas:
+            del sizes[key]
+    return sizes

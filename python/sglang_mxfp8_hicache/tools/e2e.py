@@ -16,6 +16,16 @@ and store); backs the pages up through ``HybridCacheController.write``; moves
 the originals out and overwrites the whole device pool; loads into other pages
 through ``load`` / ``start_loading`` and waits layer by layer on the
 controller's own events. It prints one JSON verdict.
+
+With ``--l3 file`` or ``--l3 mooncake`` (mode ours), the L3 step follows:
+the storage backend is attached at runtime through the controller's
+``attach_storage_backend`` (SGLang's admin path; a refused backend is tried
+first and must leave the controller as it was), the pages go to L3 through
+``write_storage``, are evicted from L2 and the device is overwritten again,
+come back through ``prefetch`` (the hit query, the host allocation the radix
+cache makes, the prefetch I/O thread) and are loaded into yet other device pages.
+Mooncake's configuration comes from ``SGLANG_MXFP8_HICACHE_MOONCAKE`` (the JSON
+of ``--hicache-storage-backend-extra-config``).
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
+L3_BACKENDS = ("file", "mooncake")
+MOONCAKE_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_MOONCAKE"
+REFUSED_ATTACH = "nixl"
+L3_TIMEOUT_S = 120
 
 
 def _free_port() -> int:
@@ -96,7 +110,7 @@ def _publish():
     )
 
 
-def run(mode: str) -> dict:
+def run(mode: str, l3: str | None = None) -> dict:
     if mode != "ours":
         from sglang_mxfp8_hicache.plugin import DISABLE_ENV
 
@@ -172,7 +186,7 @@ def run(mode: str) -> dict:
         "geometry": f"{KV_HEADS}x{HEAD_DIM}",
     }
     try:
-        verdict.update(_exercise(kv_pool, allocator, controller, RadixAttention))
+        verdict.update(_exercise(kv_pool, allocator, controller, RadixAttention, l3))
     finally:
         torch.cuda.synchronize()
         controller.reset()
@@ -182,7 +196,7 @@ def run(mode: str) -> dict:
     return verdict
 
 
-def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
+def _exercise(kv_pool, allocator, controller, RadixAttention, l3) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1234)
     layers = [
         RadixAttention(Q_HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, layer_id=i)
@@ -271,9 +285,71 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
 
     # 3. Other device pages for the load, then the originals go and every byte
     #    of the device pool is overwritten.
-    dst_seq_slots = [allocator.alloc(len(s)) for s in seq_slots]
-    dst_slots = torch.cat(dst_seq_slots)
+    result, dst_seq_slots = _load_and_compare(
+        kv_pool, allocator, controller, host_indices, snapshot, gen
+    )
     allocator.free(src_slots)
+    restored = result.pop("restored")
+    restored_kv = dequantized(
+        torch.cat([d[: len(t)] for d, t in zip(dst_seq_slots, tokens, strict=True)])
+    )
+    diffs = [
+        (a - b).abs().nan_to_num(nan=float("inf")).max().item()
+        for a, b in zip(restored_kv, original_kv, strict=True)
+    ]
+    digest = hashlib.sha256()
+    for tensor in restored:
+        digest.update(tensor.cpu().numpy().tobytes())
+    verdict = {
+        "write_path": write_path,
+        "quantized_within_mxfp8_error": quant_ok,
+        **_restored_flags(restored, original),
+        "dequantized_max_diff": max(diffs),
+        **result,
+        "restored_sha256": digest.hexdigest(),
+    }
+    for slots in dst_seq_slots:
+        allocator.free(slots)
+    if l3 is not None:  # it evicts the pages from L2 itself
+        verdict["l3"] = _exercise_l3(
+            l3,
+            kv_pool,
+            allocator,
+            controller,
+            host_indices,
+            snapshot,
+            original,
+            lambda dst: dequantized(
+                torch.cat([d[: len(t)] for d, t in zip(dst, tokens, strict=True)])
+            ),
+            original_kv,
+            gen,
+        )
+    else:
+        for host in host_indices:
+            controller.evict_host(host)
+    return verdict
+
+
+def _restored_flags(restored: list, original: list) -> dict:
+    """Payload and scales equal, from snapshot()'s [K, V, K scale, V scale] per layer."""
+    pairs = list(zip(restored, original, strict=True))
+    return {
+        "payload_restored": all(
+            torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 < 2
+        ),
+        "scales_restored": all(
+            torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 >= 2
+        ),
+    }
+
+
+def _load_and_compare(kv_pool, allocator, controller, host_indices, snapshot, gen):
+    """Overwrite every device byte, load ``host_indices`` into new device pages
+    through the controller, layer by layer on its events; what they hold now,
+    and whether every other device page kept its bytes."""
+    dst_seq_slots = [allocator.alloc(len(h)) for h in host_indices]
+    dst_slots = torch.cat(dst_seq_slots)
     fill_random(device_buffers(kv_pool), gen)
     torch.cuda.synchronize()
     device_pages = kv_pool.k_buffer[0].shape[0] // PAGE
@@ -283,7 +359,6 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
         _u8(b).reshape(device_pages, -1)[untouched_pages].clone()
         for b in device_buffers(kv_pool)
     ]
-
     # 4. Load through the controller, layer by layer, on its completion events.
     for host, dst in zip(host_indices, dst_seq_slots, strict=True):
         if controller.load(host, node_id=99, device_indices=dst) is None:
@@ -300,24 +375,6 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
         controller.ack_load_queue.pop(0).finish_event.synchronize()
     controller.layer_done_counter.set_consumer(-1)
     torch.cuda.synchronize()
-
-    # 5. Verdict.
-    restored = snapshot(dst_slots)
-    pairs = list(zip(restored, original, strict=True))
-    payload_equal = all(
-        torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 < 2
-    )
-    scales_equal = all(
-        torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 >= 2
-    )
-    dst_written = torch.cat(
-        [d[: len(t)] for d, t in zip(dst_seq_slots, tokens, strict=True)]
-    )
-    restored_kv = dequantized(dst_written)
-    diffs = [
-        (a - b).abs().nan_to_num(nan=float("inf")).max().item()
-        for a, b in zip(restored_kv, original_kv, strict=True)
-    ]
     after_load = [
         _u8(b).reshape(device_pages, -1)[untouched_pages]
         for b in device_buffers(kv_pool)
@@ -325,21 +382,111 @@ def _exercise(kv_pool, allocator, controller, RadixAttention) -> dict:
     untouched = all(
         torch.equal(a, b) for a, b in zip(after_load, before_load, strict=True)
     )
-    digest = hashlib.sha256()
-    for tensor in restored:
-        digest.update(tensor.cpu().numpy().tobytes())
-    for slots in (*seq_slots, *dst_seq_slots):
-        allocator.free(slots)
+    result = {"restored": snapshot(dst_slots), "untouched_pages_kept": untouched}
+    return result, dst_seq_slots
+
+
+def _l3_extra_config(backend: str) -> dict:
+    if backend == "file":
+        import tempfile
+
+        return {"file_storage_path": tempfile.mkdtemp(prefix="mxfp8-l3-")}
+    config = os.environ.get(MOONCAKE_CONFIG_ENV)
+    if not config:
+        raise RuntimeError(
+            f"--l3 mooncake needs {MOONCAKE_CONFIG_ENV}: the JSON of "
+            "--hicache-storage-backend-extra-config for a running master"
+        )
+    return json.loads(config)
+
+
+def _exercise_l3(
+    backend,
+    kv_pool,
+    allocator,
+    controller,
+    host_indices,
+    snapshot,
+    original,
+    dequantized_of,
+    original_kv,
+    gen,
+) -> dict:
+    """L2 pages to L3 and back through the controller's storage threads."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+
+    model = "e2e-model"
+    extra_config = _l3_extra_config(backend)
+    # Runtime attach, SGLang's admin path: a refused backend first.
+    try:
+        controller.attach_storage_backend(REFUSED_ATTACH, model_name=model)
+        refused = f"{REFUSED_ATTACH} was attached"
+    except MXFP8HiCacheConfigError as exc:
+        refused = str(exc)
+    refusal_clean = not controller.enable_storage
+    controller.attach_storage_backend(
+        backend, model_name=model, storage_backend_extra_config=dict(extra_config)
+    )
+    all_host = torch.cat(host_indices)
+    tokens = torch.randint(
+        0, 1 << 20, (len(all_host),), generator=torch.Generator().manual_seed(7)
+    ).tolist()
+    hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+    # 5. L2 -> L3 through the backup thread.
+    controller.write_storage(all_host, tokens, hash_value=hashes)
+    backup = controller.ack_backup_queue.get(timeout=L3_TIMEOUT_S)
+    stored_tokens = backup.completed_tokens
+    # 6. Out of L2: host pages freed and every host byte overwritten.
     for host in host_indices:
         controller.evict_host(host)
+    host_pool = controller.storage_host_pool
+    fill_random(
+        [host_pool.kv_buffer, host_pool.scale_host], torch.Generator().manual_seed(8)
+    )
+    # 7. L3 -> L2: the hit query, the host allocation the radix cache makes,
+    #    then the prefetch I/O thread.
+    controller.prefetch("e2e-l3", tokens)
+    hit = controller.prefetch_hit_queue.get(timeout=L3_TIMEOUT_S)
+    hit_tokens = hit.storage_hit_count
+    fetched_host = controller.mem_pool_host.alloc(hit_tokens)
+    hit.host_indices = fetched_host
+    controller.prefetch_buffer.put(hit)
+    fetched_tokens = 0
+    while True:
+        ack = controller.ack_prefetch_queue.get(timeout=L3_TIMEOUT_S)
+        if ack.completed_tokens is not None:
+            fetched_tokens = ack.completed_tokens
+        if ack.completed_req:
+            break
+    # 8. L2 -> device, into yet other pages; compare with the first originals.
+    lengths = [len(h) for h in host_indices]
+    fetched_seqs = list(fetched_host.split(lengths))
+    result, dst_seq_slots = _load_and_compare(
+        kv_pool, allocator, controller, fetched_seqs, snapshot, gen
+    )
+    restored = result.pop("restored")
+    diffs = [
+        (a - b).abs().nan_to_num(nan=float("inf")).max().item()
+        for a, b in zip(dequantized_of(dst_seq_slots), original_kv, strict=True)
+    ]
+    for slots in dst_seq_slots:
+        allocator.free(slots)
+    controller.evict_host(fetched_host)
+    controller.detach_storage_backend()
     return {
-        "write_path": write_path,
-        "quantized_within_mxfp8_error": quant_ok,
-        "payload_restored": payload_equal,
-        "scales_restored": scales_equal,
+        "backend": backend,
+        "format_tag": host_pool.storage_format_tag,
+        "refused_attach": refused,
+        "refusal_left_controller_clean": refusal_clean,
+        "pages": len(hashes),
+        "stored_tokens": stored_tokens,
+        "hit_tokens": hit_tokens,
+        "fetched_tokens": fetched_tokens,
+        **_restored_flags(restored, original),
         "dequantized_max_diff": max(diffs),
-        "untouched_pages_kept": untouched,
-        "restored_sha256": digest.hexdigest(),
+        **result,
     }
 
 
@@ -352,34 +499,46 @@ def within_mxfp8_error(
     return bool(((x - deq).abs() <= bound).all())
 
 
-def run_modes(modes=MODES, timeout: float = 600) -> dict[str, dict]:
-    """Each mode in a fresh process; the verdicts by mode."""
+def run_modes(
+    modes=MODES, timeout: float = 600, l3: tuple[str, ...] = ()
+) -> dict[str, dict]:
+    """Each mode in a fresh process, then mode ours once per L3 backend in
+    ``l3`` (keyed ``ours+file``, ...); the verdicts by key."""
     import subprocess
 
+    runs = {mode: [mode] for mode in modes}
+    runs.update({f"ours+{b}": ["ours", "--l3", b] for b in l3})
     verdicts = {}
-    for mode in modes:
+    for key, argv in runs.items():
         done = subprocess.run(
-            [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", "--mode", mode],
+            [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", "--mode", *argv],
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
         )
         if done.returncode:
-            verdicts[mode] = {"mode": mode, "error": done.stderr.strip()[-2000:]}
+            verdicts[key] = {"mode": key, "error": done.stderr.strip()[-2000:]}
         else:
-            verdicts[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+            verdicts[key] = json.loads(done.stdout.strip().splitlines()[-1])
     return verdicts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=MODES, default="ours")
+    parser.add_argument(
+        "--l3",
+        choices=L3_BACKENDS,
+        help="then L2 -> L3 -> L2 -> device through the controller (mode ours)",
+    )
     args = parser.parse_args()
+    if args.l3 and args.mode != "ours":
+        parser.error("--l3 needs --mode ours")
     if not torch.cuda.is_available():
         print(json.dumps({"mode": args.mode, "skipped": "no CUDA GPU"}))
         return
-    print(json.dumps(run(args.mode)))
+    print(json.dumps(run(args.mode, args.l3)))
 
 
 if __name__ == "__main__":
