@@ -1,9 +1,10 @@
-"""Real MXFP8 KV through SGLang's own HiCache controller on a GPU (issue 3).
+"""Real MXFP8 KV through SGLang's own HiCache controller on a GPU (issues 3, 10).
 
-Three fresh processes (the plugin hook is process-wide): ours through the plugin,
+Fresh processes (the plugin hook is process-wide): ours through the plugin,
 SGLang's own MXFP8 host class with the plugin disabled (an independent
-implementation to cross-check the restored bytes), and the payload-only host
-pool SGLang 0.5.16-0.5.20 pick (the control that must lose the scales).
+implementation to cross-check the restored bytes), the payload-only host pool
+SGLang 0.5.16-0.5.20 pick (the control that must lose the scales), and ours
+through L3: ``file``, and Mooncake on loopback where it runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def verdicts():
-    return run_modes()
+    return run_modes(l3=("file",))
+
+
+@pytest.fixture(scope="module")
+def mooncake_verdict(mooncake):
+    return run_modes(
+        modes=(), l3=("mooncake",), mooncake_config=mooncake.extra_config()
+    )["ours+mooncake"]
 
 
 @pytest.mark.parametrize("mode", ["ours", "sglang"])
@@ -53,3 +61,29 @@ def test_payload_only_pool_loses_scales(verdicts):
     assert v["payload_restored"], v
     assert not v["scales_restored"], v
     assert v["dequantized_max_diff"] > 0, v
+
+
+def _assert_l3_exact(v: dict, backend: str) -> None:
+    assert "error" not in v, v.get("error")
+    l3 = v["l3"]
+    assert l3["backend"] == backend
+    # The refused backend named itself and left the controller as it was.
+    assert (
+        "--hicache-storage-backend nixl cannot store MXFP8 pages"
+        in l3["refused_attach"]
+    )
+    assert l3["refusal_left_controller_clean"]
+    tokens = l3["pages"] * 128
+    assert l3["stored_tokens"] == l3["hit_tokens"] == l3["fetched_tokens"] == tokens, l3
+    assert l3["payload_restored"] and l3["scales_restored"], l3
+    assert l3["dequantized_max_diff"] == 0.0, l3
+    assert l3["untouched_pages_kept"], l3
+    assert l3["format_tag"].startswith("mxfp8v1-l4h8d128p128"), l3
+
+
+def test_l3_file(verdicts):
+    _assert_l3_exact(verdicts["ours+file"], "file")
+
+
+def test_l3_mooncake(mooncake_verdict):
+    _assert_l3_exact(mooncake_verdict, "mooncake")

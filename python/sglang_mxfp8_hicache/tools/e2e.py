@@ -413,6 +413,7 @@ def _exercise_l3(
     gen,
 ) -> dict:
     """L2 pages to L3 and back through the controller's storage threads."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
@@ -447,10 +448,10 @@ def _exercise_l3(
     )
     # 7. L3 -> L2: the hit query, the host allocation the radix cache makes,
     #    then the prefetch I/O thread.
-    controller.prefetch("e2e-l3", tokens)
+    controller.prefetch(CacheRequestHandle(rid="e2e-l3", attempt_id=0), tokens)
     hit = controller.prefetch_hit_queue.get(timeout=L3_TIMEOUT_S)
     hit_tokens = hit.storage_hit_count
-    fetched_host = controller.mem_pool_host.alloc(hit_tokens)
+    fetched_host = controller.alloc_prefetch_host_buffers(hit, hit_tokens)
     hit.host_indices = fetched_host
     controller.prefetch_buffer.put(hit)
     fetched_tokens = 0
@@ -500,14 +501,21 @@ def within_mxfp8_error(
 
 
 def run_modes(
-    modes=MODES, timeout: float = 600, l3: tuple[str, ...] = ()
+    modes=MODES,
+    timeout: float = 600,
+    l3: tuple[str, ...] = (),
+    mooncake_config: dict | None = None,
 ) -> dict[str, dict]:
     """Each mode in a fresh process, then mode ours once per L3 backend in
-    ``l3`` (keyed ``ours+file``, ...); the verdicts by key."""
+    ``l3`` (keyed ``ours+file``, ...); the verdicts by key. ``mooncake_config``
+    is the extra config of a running Mooncake master, for ``l3`` mooncake."""
     import subprocess
 
     runs = {mode: [mode] for mode in modes}
     runs.update({f"ours+{b}": ["ours", "--l3", b] for b in l3})
+    env = dict(os.environ)
+    if mooncake_config is not None:
+        env[MOONCAKE_CONFIG_ENV] = json.dumps(mooncake_config)
     verdicts = {}
     for key, argv in runs.items():
         done = subprocess.run(
@@ -516,6 +524,7 @@ def run_modes(
             text=True,
             timeout=timeout,
             check=False,
+            env=env,
         )
         if done.returncode:
             verdicts[key] = {"mode": key, "error": done.stderr.strip()[-2000:]}

@@ -25,7 +25,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -45,11 +44,13 @@ START_ATTEMPTS = 3
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def bin_dir() -> Path:
-    """The virtualenv's script directory, where pip put ``mooncake_master`` and
-    ``mooncake_client``: next to this interpreter (not resolved, so a venv's
-    symlinked python still points into the venv)."""
-    return Path(sys.executable).parent
+def binary(name: str) -> Path:
+    """``mooncake_master`` or ``mooncake_client`` as the wheel ships them, inside
+    the ``mooncake`` package: the console scripts only exec these, and they
+    exist also where the package was installed with ``pip --target``."""
+    spec = importlib.util.find_spec("mooncake")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(spec.submodule_search_locations[0]) / name
 
 
 def mooncake_available() -> str | None:
@@ -58,7 +59,7 @@ def mooncake_available() -> str | None:
     Checks the three things that are missing on a fresh machine: the Python
     package (``mooncake-transfer-engine-non-cuda``), the system library that
     every Mooncake binary links even with TCP (``libibverbs.so.1``, Debian
-    ``libibverbs1``), and the two console scripts.
+    ``libibverbs1``), and the two binaries.
     """
     if importlib.util.find_spec("mooncake") is None:
         return "Python package mooncake is not installed (pip install mooncake-transfer-engine-non-cuda)"
@@ -69,8 +70,8 @@ def mooncake_available() -> str | None:
             return f"libibverbs.so.1 is missing (apt-get install libibverbs1): {err}"
         return f"mooncake.store does not import: {err}"
     for name in ("mooncake_master", "mooncake_client"):
-        if not os.access(bin_dir() / name, os.X_OK):
-            return f"{name} is not in {bin_dir()}"
+        if not os.access(binary(name), os.X_OK):
+            return f"{binary(name)} is missing or not executable"
     return None
 
 
@@ -276,9 +277,8 @@ class MooncakeLoopback:
         assert self.log_dir is not None
         env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST)
         with open(self.log_dir / f"{name}.log", "wb") as log:
-            # The console script os.execv()s the binary: the pid is Mooncake's.
             self._procs[name] = subprocess.Popen(
-                [str(bin_dir() / script), *args],
+                [str(binary(script)), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
