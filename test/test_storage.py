@@ -399,3 +399,47 @@ def test_factory_leaves_other_pools_alone(bf16_host, storage_hooks, tmp_path):
     with pytest.raises(Exception) as raised:
         StoragePageIO.open("nixl", bf16_host)
     assert not isinstance(raised.value, MXFP8HiCacheConfigError)
+
+
+@on_cpu
+def test_mooncake_startup_allocator_round_trip(
+    device, cpu_kernels, storage_hooks, mooncake
+):
+    """With --hicache-storage-backend mooncake at startup, SGLang builds the host
+    pool with Mooncake's host allocator: the scale mirror comes from it too."""
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
+        MooncakeHostTensorAllocator,
+    )
+
+    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
+
+    device_pool = build_device_pool(
+        head_num=4, head_dim=128, layer_num=2, pages=9, device="cpu"
+    )
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    host = MHATokenToKVPoolMXFP8Host(
+        info,
+        1.0,
+        0,
+        PAGE_SIZE,
+        "page_first",
+        pin_memory=False,
+        allocator_type="mooncake",
+        device_capacity_tokens=device_pool.size,
+        start_layer=0,
+        end_layer=1,
+    )
+    try:
+        assert isinstance(host.allocator, MooncakeHostTensorAllocator)
+        io = StoragePageIO.open(
+            "mooncake",
+            host,
+            model_name=f"m-{uuid.uuid4().hex[:8]}",
+            extra_config=mooncake.extra_config(),
+        )
+        stored = Stored(io, pages=4, seed=21)
+        assert stored.fetch() == 4
+        stored.check(4)
+        io.close()
+    finally:
+        host.destroy()
