@@ -264,34 +264,48 @@ def _mooncake_keys(io: StoragePageIO, key: str) -> tuple[str, str]:
 
 
 def _plant(io: StoragePageIO, key: str, fault: str) -> None:
-    """Replace what L3 holds for ``key`` (the K object on Mooncake)."""
+    """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
+    64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
+    heads (both objects), ``missing`` the page, ``missing_part`` its V object."""
     if io.backend_name == "file":
         path = _file_path(io, key)
-        data = open(path, "rb").read()
         if fault == "missing":
             os.remove(path)
             return
-        data = {"truncated": data[:-1], "longer": data + b"\x00" * 64}[fault]
+        size = os.path.getsize(path)
+        new_size = {
+            "truncated": size - 1,
+            "longer": size + 64,
+            "other_geometry": 2 * size,
+        }
         with open(path, "wb") as f:
-            f.write(data)
+            f.write(os.urandom(new_size[fault]))
         return
     store = io.storage_backend.store
     k_key, v_key = _mooncake_keys(io, key)
     if fault == "missing_part":
         assert store.remove(v_key, True) == 0
         return
-    size = store.get_size(k_key)
-    assert store.remove(k_key, True) == 0
-    new_size = {"truncated": size - 1, "longer": size + 64}[fault]
-    assert store.put(k_key, os.urandom(new_size)) == 0
+    replaced = [k_key, v_key] if fault == "other_geometry" else [k_key]
+    for object_key in replaced:
+        size = store.get_size(object_key)
+        assert store.remove(object_key, True) == 0
+        new_size = {
+            "truncated": size - 1,
+            "longer": size + 64,
+            "other_geometry": 2 * size,
+        }
+        assert store.put(object_key, os.urandom(new_size[fault])) == 0
 
 
 FAULTS = [
     ("file", "truncated"),
     ("file", "longer"),
+    ("file", "other_geometry"),
     ("file", "missing"),
     ("mooncake", "truncated"),
     ("mooncake", "longer"),
+    ("mooncake", "other_geometry"),
     ("mooncake", "missing_part"),
 ]
 
@@ -443,3 +457,28 @@ def test_mooncake_startup_allocator_round_trip(
         io.close()
     finally:
         host.destroy()
+
+
+@on_cpu
+def test_bad_page_is_a_miss_mooncake_backend_error(make_pools, storage_hooks, mooncake):
+    """The storage node holding the pages dies after the hit query: every read
+    fails inside Mooncake, nothing arrives, and no host byte changes."""
+    import signal
+
+    from sglang_mxfp8_hicache.tools.mooncake_loopback import MooncakeLoopback
+
+    _, host = make_pools(heads=4, head_dim=128, layers=2, pages=4)
+    with MooncakeLoopback() as service:
+        io = StoragePageIO.open(
+            "mooncake",
+            host,
+            model_name="backend-error",
+            extra_config=service.extra_config(),
+        )
+        stored = Stored(io, pages=4, seed=31)
+        assert io.hit_query(stored.tokens) == stored.hashes
+        node = service.pids["node"]
+        os.kill(node, signal.SIGKILL)
+        os.waitpid(node, 0)
+        assert stored.fetch() == 0
+        stored.check(0)

@@ -132,23 +132,26 @@ def _guard_reads(backend: Any, backend_name: str) -> None:
     setattr(inner, method, checked)
 
 
-def _leading_good_pages(
-    wrong: list[tuple[str, int, int]], pages: int, first_wrong: int
-) -> int:
-    """Logs the batch's wrong-sized pages once; the pages before the first."""
-    if wrong:
-        key, found, expected = wrong[0]
-        logger.warning(
-            "MXFP8 L3: %d of %d pages in this batch are missing a part or have the "
-            "wrong size; they and the pages after the first of them are treated as "
-            "not in L3 (first: %s, %d bytes, expected %d).",
-            len(wrong),
-            pages,
-            key,
-            found,
-            expected,
-        )
-    return first_wrong
+WrongPage = tuple[int, str, int, int]
+"""(page in the batch, its first wrong object or file, size found, size expected)."""
+
+
+def _leading_good_pages(wrong: list[WrongPage], pages: int) -> int:
+    """Logs the batch's wrong pages once; the number of pages before the first."""
+    if not wrong:
+        return pages
+    first, key, found, expected = wrong[0]
+    logger.warning(
+        "MXFP8 L3: %d of %d pages in this batch are missing a part or have the "
+        "wrong size; they and the pages after the first of them are treated as "
+        "not in L3 (first: %s, %d bytes, expected %d).",
+        len(wrong),
+        pages,
+        key,
+        found,
+        expected,
+    )
+    return first
 
 
 def _file_batch_get_checked(
@@ -159,9 +162,8 @@ def _file_batch_get_checked(
     target_sizes: Any = None,
 ) -> list[torch.Tensor | None]:
     """``HiCacheFile.batch_get``, reading only the leading files of exactly one page."""
-    wrong: list[tuple[str, int, int]] = []
-    first_wrong = len(keys)
-    for n, (key, target) in enumerate(zip(keys, target_locations, strict=True)):
+    wrong: list[WrongPage] = []
+    for page, (key, target) in enumerate(zip(keys, target_locations, strict=True)):
         expected = target.numel() * target.element_size()
         path = os.path.join(backend.file_path, f"{backend._get_suffixed_key(key)}.bin")
         try:
@@ -169,9 +171,8 @@ def _file_batch_get_checked(
         except OSError:
             continue  # missing: HiCacheFile.get logs it and misses
         if found != expected:
-            wrong.append((key, found, expected))
-            first_wrong = min(first_wrong, n)
-    good = _leading_good_pages(wrong, len(keys), first_wrong)
+            wrong.append((page, key, found, expected))
+    good = _leading_good_pages(wrong, len(keys))
     return [*read(keys[:good], target_locations[:good]), *[None] * (len(keys) - good)]
 
 
@@ -192,14 +193,16 @@ def _mooncake_batch_get_checked(
     )
     found = _mooncake_object_sizes(store.store, object_keys)
     per_page = len(object_keys) // len(keys)
-    wrong: list[tuple[str, int, int]] = []
-    first_wrong = len(keys)
+    wrong: list[WrongPage] = []
     for n, (key, sizes) in enumerate(zip(object_keys, part_sizes, strict=True)):
-        size = found.get(key)
-        if size is not None and size != sum(sizes):
-            wrong.append((key, size, sum(sizes)))
-            first_wrong = min(first_wrong, n // per_page)
-    good = _leading_good_pages(wrong, len(keys), first_wrong)
+        page, size = n // per_page, found.get(key)
+        if (
+            size is not None
+            and size != sum(sizes)
+            and (not wrong or wrong[-1][0] != page)
+        ):
+            wrong.append((page, key, size, sum(sizes)))
+    good = _leading_good_pages(wrong, len(keys))
     page_size = len(host_indices) // len(keys)
     results = (
         read(keys[:good], host_indices[: good * page_size], extra_info) if good else []
