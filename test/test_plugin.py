@@ -51,6 +51,7 @@ def test_plugin_dispatch_in_fresh_process(order):
         assert chosen[f"mxfp8_page64/{where}"] == OURS
         assert chosen[f"bf16/{where}"] == SGLANG_PLAIN
         assert chosen[f"fp8/{where}"] == SGLANG_PLAIN
+    assert chosen["storage/factory"] == "hooked"
     # One line per chosen class per process, not one per call.
     assert log.count(f"HiCache host pool: {OURS}") == 1
     assert log.count(f"HiCache host pool: {SGLANG_PLAIN}") == 1
@@ -61,6 +62,7 @@ def test_plugin_disabled_by_environment():
     assert chosen["mxfp8/mha"] == SGLANG_MXFP8
     assert chosen["mxfp8/assembler"] == SGLANG_MXFP8
     assert chosen["bf16/mha"] == SGLANG_PLAIN
+    assert chosen["storage/factory"] == "sglang"
     assert f"disabled by {plugin.DISABLE_ENV}" in log
 
 

@@ -4,7 +4,8 @@ Run as ``python -m sglang_mxfp8_hicache.tools.probe [--assembler-first]`` so tha
 answer comes from a fresh process, as in a scheduler: prints one JSON object
 ``{"<pool>/<lookup>": "<module>.<class>"}`` for an MXFP8 pool (page_size 128
 and 64), a bf16 pool and a plain fp8 pool, looked up through ``mha`` and through
-the name ``hybrid_pool_assembler`` imported (the one SGLang calls).
+the name ``hybrid_pool_assembler`` imported (the one SGLang calls), and
+under ``storage/factory`` whether SGLang's storage backend factory is hooked.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def probe(assembler_first: bool = False) -> dict[str, str]:
         ):
             cls = select(info)
             chosen[f"{name}/{where}"] = f"{cls.__module__}.{cls.__qualname__}"
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    # HookRegistry's wrappers keep the original as __wrapped__.
+    hooked = hasattr(StorageBackendFactory.create_backend, "__wrapped__")
+    chosen["storage/factory"] = "hooked" if hooked else "sglang"
     return chosen
 
 
