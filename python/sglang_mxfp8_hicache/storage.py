@@ -63,6 +63,8 @@ REFUSED_STORAGE_BACKENDS: dict[str, str] = {
 }
 """Every other backend SGLang 0.5.23 offers, with the reason it is refused."""
 
+TESTED_MOONCAKE = "0.3.13.post1"
+
 
 def storage_refusal(backend: str) -> str | None:
     """Why ``backend`` cannot carry MXFP8 pages, or None if it can."""
@@ -123,6 +125,15 @@ def _guard_reads(backend: Any, backend_name: str) -> None:
         "mooncake": ("batch_get_v1", _mooncake_batch_get_checked),
     }[backend_name]
     inner = getattr(backend, "_backend", backend)
+    if backend_name == "mooncake" and not hasattr(
+        inner.store, "batch_get_replica_desc"
+    ):
+        from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+
+        raise MXFP8HiCacheConfigError(
+            "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
+            f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
+        )
     read = getattr(inner, method)
 
     @functools.wraps(read)
