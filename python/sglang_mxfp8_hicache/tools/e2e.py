@@ -283,48 +283,41 @@ def _exercise(kv_pool, allocator, controller, RadixAttention, l3) -> dict:
     while controller.ack_write_queue:
         controller.ack_write_queue.pop(0).finish_event.synchronize()
 
-    # 3. Other device pages for the load, then the originals go and every byte
-    #    of the device pool is overwritten.
-    result, dst_seq_slots = _load_and_compare(
-        kv_pool, allocator, controller, host_indices, snapshot, gen
-    )
-    allocator.free(src_slots)
-    restored = result.pop("restored")
-    restored_kv = dequantized(
-        torch.cat([d[: len(t)] for d, t in zip(dst_seq_slots, tokens, strict=True)])
-    )
-    diffs = [
-        (a - b).abs().nan_to_num(nan=float("inf")).max().item()
-        for a, b in zip(restored_kv, original_kv, strict=True)
-    ]
-    digest = hashlib.sha256()
-    for tensor in restored:
-        digest.update(tensor.cpu().numpy().tobytes())
+    def load_and_judge(hosts: list[torch.Tensor]) -> dict:
+        """Overwrite the device, load ``hosts`` into new device pages through
+        the controller; what came back, against the originals."""
+        result, dst_seq_slots = _load_and_compare(
+            kv_pool, allocator, controller, hosts, snapshot, gen
+        )
+        restored_kv = dequantized(
+            torch.cat([d[: len(t)] for d, t in zip(dst_seq_slots, tokens, strict=True)])
+        )
+        diffs = [
+            (a - b).abs().nan_to_num(nan=float("inf")).max().item()
+            for a, b in zip(restored_kv, original_kv, strict=True)
+        ]
+        for slots in dst_seq_slots:
+            allocator.free(slots)
+        return {
+            **_restored_flags(result["restored"], original),
+            "dequantized_max_diff": max(diffs),
+            **result,
+        }
+
+    # 3. Other device pages for the load (the originals are still allocated),
+    #    every byte of the device pool overwritten, then the load.
     verdict = {
         "write_path": write_path,
         "quantized_within_mxfp8_error": quant_ok,
-        **_restored_flags(restored, original),
-        "dequantized_max_diff": max(diffs),
-        **result,
-        "restored_sha256": digest.hexdigest(),
+        **load_and_judge(host_indices),
     }
-    for slots in dst_seq_slots:
-        allocator.free(slots)
+    allocator.free(src_slots)
+    digest = hashlib.sha256()
+    for tensor in verdict.pop("restored"):
+        digest.update(tensor.cpu().numpy().tobytes())
+    verdict["restored_sha256"] = digest.hexdigest()
     if l3 is not None:  # it evicts the pages from L2 itself
-        verdict["l3"] = _exercise_l3(
-            l3,
-            kv_pool,
-            allocator,
-            controller,
-            host_indices,
-            snapshot,
-            original,
-            lambda dst: dequantized(
-                torch.cat([d[: len(t)] for d, t in zip(dst, tokens, strict=True)])
-            ),
-            original_kv,
-            gen,
-        )
+        verdict["l3"] = _exercise_l3(l3, controller, host_indices, load_and_judge)
     else:
         for host in host_indices:
             controller.evict_host(host)
@@ -346,8 +339,9 @@ def _restored_flags(restored: list, original: list) -> dict:
 
 def _load_and_compare(kv_pool, allocator, controller, host_indices, snapshot, gen):
     """Overwrite every device byte, load ``host_indices`` into new device pages
-    through the controller, layer by layer on its events; what they hold now,
-    and whether every other device page kept its bytes."""
+    through the controller, layer by layer on its events; what they hold now
+    (snapshot()'s tensors), whether every other device page kept its bytes, and
+    the new pages (the caller frees them)."""
     dst_seq_slots = [allocator.alloc(len(h)) for h in host_indices]
     dst_slots = torch.cat(dst_seq_slots)
     fill_random(device_buffers(kv_pool), gen)
@@ -400,18 +394,7 @@ def _l3_extra_config(backend: str) -> dict:
     return json.loads(config)
 
 
-def _exercise_l3(
-    backend,
-    kv_pool,
-    allocator,
-    controller,
-    host_indices,
-    snapshot,
-    original,
-    dequantized_of,
-    original_kv,
-    gen,
-) -> dict:
+def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     """L2 pages to L3 and back through the controller's storage threads."""
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -463,17 +446,8 @@ def _exercise_l3(
             break
     # 8. L2 -> device, into yet other pages; compare with the first originals.
     lengths = [len(h) for h in host_indices]
-    fetched_seqs = list(fetched_host.split(lengths))
-    result, dst_seq_slots = _load_and_compare(
-        kv_pool, allocator, controller, fetched_seqs, snapshot, gen
-    )
-    restored = result.pop("restored")
-    diffs = [
-        (a - b).abs().nan_to_num(nan=float("inf")).max().item()
-        for a, b in zip(dequantized_of(dst_seq_slots), original_kv, strict=True)
-    ]
-    for slots in dst_seq_slots:
-        allocator.free(slots)
+    judged = load_and_judge(list(fetched_host.split(lengths)))
+    judged.pop("restored")
     controller.evict_host(fetched_host)
     controller.detach_storage_backend()
     return {
@@ -485,9 +459,7 @@ def _exercise_l3(
         "stored_tokens": stored_tokens,
         "hit_tokens": hit_tokens,
         "fetched_tokens": fetched_tokens,
-        **_restored_flags(restored, original),
-        "dequantized_max_diff": max(diffs),
-        **result,
+        **judged,
     }
 
 
