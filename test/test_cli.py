@@ -325,6 +325,10 @@ def test_help_lists_every_command(capsys):
         assert command in out
     code, out, _ = run_cli(["check", "--help"], capsys)
     assert code == 0 and "--e2e" in out
+    code, out, _ = run_cli(["bench", "--help"], capsys)
+    assert code == 0
+    for flag in ("--l3 BACKEND", "--l3-dir", "--mooncake-config"):
+        assert flag in out
 
 
 def test_bench_needs_cuda_after_good_arguments(capsys, monkeypatch):

@@ -471,8 +471,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return torch.cat(self._storage_parts(int(index)))
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        # A read target for one page; plain memory, as it is copied on the CPU.
-        return torch.empty(2 * sum(self.storage_part_bytes), dtype=torch.uint8)
+        # A read target for one page, pinned as SGLang's base class makes it:
+        # torch caches pinned blocks, where plain pages of this size would be
+        # mapped and faulted in afresh for every page read (2x the read time
+        # on an H200 host, docs/benchmarks.md).
+        return torch.empty(
+            2 * sum(self.storage_part_bytes),
+            dtype=torch.uint8,
+            pin_memory=self.pin_memory,
+        )
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         parts = self._storage_parts(int(index))

@@ -3,7 +3,9 @@
 - ``check [--json] [--e2e]``: plugin, hook and dispatch, sizing and, on CUDA, a
   round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache controller);
 - ``size``: host-tier bytes and tokens per rank, with and without the scales;
-- ``bench [--check]``: host pool transfer times on one CUDA GPU.
+- ``bench [--check]``: host pool transfer times on one CUDA GPU;
+  ``bench --l3 file|mooncake``: L3 put and get of MXFP8 pages against
+  payload-only pages (``tools/bench_l3.py``).
 
 ``--help`` lists the commands from their parsers. Bad input ends in one line on
 stderr and exit code 2, never a traceback: argparse types check each flag where
@@ -34,6 +36,10 @@ EXAMPLE_MODEL = ModelGeometry(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-
 EXAMPLE_DEVICE_TOKENS = 500_000
 BENCH_LAYERS = 8
 """Layers of a bench geometry written without them (``8x128``), as in bench.py."""
+L2_WARMUP, L2_REPEAT = 3, 20
+L3_WARMUP, L3_REPEAT = 1, 5
+"""Rounds of ``bench`` and of ``bench --l3`` (an L3 round of 1024 pages moves
+GBs through a file system or a network, an L2 round takes milliseconds)."""
 
 
 class UsageError(Exception):
@@ -219,6 +225,51 @@ def _check_e2e() -> tuple[str, str]:
     return (OK if exact and agree and control_caught else FAIL), detail
 
 
+def _check_e2e_l3() -> tuple[str, str]:
+    """L2 -> L3 -> L2 -> device through the controller, on file and (where it
+    runs) on a Mooncake master and storage node started on loopback."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
+    from sglang_mxfp8_hicache.tools.e2e import run_modes
+    from sglang_mxfp8_hicache.tools.mooncake_loopback import (
+        MooncakeLoopback,
+        mooncake_available,
+    )
+
+    verdicts = run_modes(modes=(), l3=("file",))
+    mooncake_missing = mooncake_available()
+    if mooncake_missing is None:
+        with MooncakeLoopback() as service:
+            verdicts |= run_modes(
+                modes=(), l3=("mooncake",), mooncake_config=service.extra_config()
+            )
+    details, ok = [], True
+    for key, v in verdicts.items():
+        l3 = v.get("l3")
+        if l3 is None:
+            ok = False
+            details.append(f"{key}: {v.get('error', 'no verdict').splitlines()[-1]}")
+            continue
+        exact = (
+            l3["payload_restored"]
+            and l3["scales_restored"]
+            and l3["untouched_pages_kept"]
+            and l3["dequantized_max_diff"] == 0.0
+            and l3["fetched_tokens"] == l3["pages"] * 128
+            and l3["refusal_left_controller_clean"]
+        )
+        ok &= exact
+        details.append(
+            f"{l3['backend']}: {l3['pages']} pages out of L2 and back, "
+            f"{'exact' if exact else 'NOT EXACT'}"
+        )
+    if mooncake_missing is not None:
+        details.append(f"mooncake not run ({mooncake_missing})")
+    return (OK if ok else FAIL), "; ".join(details)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     steps = [
         _run_step("sglang version", _check_version),
@@ -230,6 +281,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     if args.e2e:
         steps.append(_run_step("e2e: SGLang controller", _check_e2e))
+        steps.append(_run_step("e2e: L3 storage", _check_e2e_l3))
     if args.json:
         print(json.dumps([asdict(s) for s in steps], indent=2))
     else:
@@ -322,6 +374,16 @@ def cmd_size(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.l3 is not None:
+        return cmd_bench_l3(args)
+    for flag, value, needs in (
+        ("--l3-dir", args.l3_dir, "--l3 file"),
+        ("--mooncake-config", args.mooncake_config, "--l3 mooncake"),
+    ):
+        if value is not None:
+            raise UsageError(f"{flag} needs {needs}")
+    warmup = L2_WARMUP if args.warmup is None else args.warmup
+    repeat = L2_REPEAT if args.repeat is None else args.repeat
     # bench imports torch and SGLang (seconds): only a bench run pays for that.
     import torch
 
@@ -342,12 +404,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.geometries or bench.GEOMETRIES,
         args.pages or bench.PAGES,
         classes=bench.host_classes(args.ablations),
-        warmup=args.warmup,
-        repeat=args.repeat,
+        warmup=warmup,
+        repeat=repeat,
     )
     print(
         f"{torch.cuda.get_device_name()}, page_size {PAGE_SIZE}, "
-        f"median of {args.repeat} runs (CUDA events)"
+        f"median of {repeat} runs (CUDA events)"
     )
     print_table(*bench.table(rows))
     print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
@@ -358,6 +420,74 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.check and missed:
         print(
             f"{PROG} bench: {missed} of {len(rows)} cells miss their goal",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+class BenchFailed(Exception):
+    """The benchmark ran and L3 lost or changed pages: :func:`main` reports it in
+    one line on stderr, exit code 1 (the numbers of such a run mean nothing)."""
+
+
+def cmd_bench_l3(args: argparse.Namespace) -> int:
+    """``bench --l3``: every flag is checked before CUDA is looked for, as for
+    the L2 bench; a Mooncake or a host pool that cannot be had is exit 2, pages
+    that L3 loses or changes exit 1."""
+    if args.ablations:
+        raise UsageError("--ablations undo choices of the L2 transfers; not with --l3")
+    if args.geometries is not None and len(args.geometries) != 1:
+        raise UsageError(
+            f"--l3 takes one geometry, got {len(args.geometries)} in --geometries"
+        )
+    if args.l3_dir is not None and args.l3 != "file":
+        raise UsageError(f"--l3-dir is for --l3 file, not --l3 {args.l3}")
+    if args.mooncake_config is not None and args.l3 != "mooncake":
+        raise UsageError(f"--mooncake-config is for --l3 mooncake, not --l3 {args.l3}")
+    warmup = L3_WARMUP if args.warmup is None else args.warmup
+    repeat = L3_REPEAT if args.repeat is None else args.repeat
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        from sglang_mxfp8_hicache.tools import bench_l3
+
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "needs a CUDA GPU (the MXFP8 host pool builds only where its JIT "
+            "transfer kernels run, for L3 too)"
+        )
+    try:
+        bench_l3.apply_plugin_hooks()
+        report = bench_l3.run(
+            args.l3,
+            args.geometries[0] if args.geometries else bench_l3.GEOMETRY,
+            args.pages or bench_l3.PAGES,
+            reps=repeat,
+            warmup=warmup,
+            l3_dir=args.l3_dir,
+            mooncake_config=args.mooncake_config,
+        )
+    except bench_l3.L3Unavailable as exc:
+        raise UsageError(str(exc)) from None
+    except bench_l3.L3BenchError as exc:
+        raise BenchFailed(f"L3 failed, no numbers: {exc}") from None
+    print(bench_l3.describe(report))
+    print_table(*bench_l3.table(report))
+    missed = report.missed()
+    if missed:
+        cells = ", ".join(f"{p} pages {d} {r:.3f}x" for p, d, r in missed)
+        print(
+            f"\nOver {bench_l3.GOAL_RATIO}x payload-only from "
+            f"{bench_l3.GOAL_FROM_PAGES} pages: {cells}"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(report.to_json())
+    with_goal = 2 * sum(cell.has_goal for cell in report.cells)
+    if args.check and missed:
+        print(
+            f"{PROG} bench: {len(missed)} of {with_goal} cells miss their goal",
             file=sys.stderr,
         )
         return 1
@@ -432,6 +562,42 @@ def geometries(text: str) -> tuple[tuple[int, int, int], ...]:
             ) from None
         parsed.append((heads, head_dim, layers))
     return tuple(parsed)
+
+
+def l3_backend(text: str) -> str:
+    from sglang_mxfp8_hicache.storage import SUPPORTED_STORAGE_BACKENDS
+
+    if text not in SUPPORTED_STORAGE_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"must be {' or '.join(SUPPORTED_STORAGE_BACKENDS)} (the L3 backends "
+            f"that store MXFP8 pages), got {text!r}"
+        )
+    return text
+
+
+def existing_dir(text: str) -> str:
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"must be an existing directory, got {text}")
+    return text
+
+
+def mooncake_config(text: str) -> dict:
+    """What a server takes as ``--hicache-storage-backend-extra-config``."""
+    try:
+        config = json.loads(text)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(
+            "must be a JSON object, as --hicache-storage-backend-extra-config "
+            f'(e.g. \'{{"master_server_address": "10.0.0.1:50051"}}\'), got {text!r}'
+        )
+    if "master_server_address" not in config and "client_server_address" not in config:
+        raise argparse.ArgumentTypeError(
+            "names no master_server_address (nor client_server_address), which "
+            f"SGLang's MooncakeStore needs, in {text!r}"
+        )
+    return config
 
 
 def ablation_names(text: str) -> tuple[str, ...]:
@@ -539,17 +705,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         formatter_class=raw,
-        help="time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy (CUDA)",
+        help="time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy "
+        "(CUDA); --l3: L3 put/get, MXFP8 vs payload-only pages",
         description="Time backups and loads of several host pools side by side on\n"
         "one CUDA GPU. Exit 0 when the benchmark completed; with --check,\n"
-        "exit 1 if a cell misses its goal.",
+        "exit 1 if a cell misses its goal.\n\n"
+        "--l3 file|mooncake: put and get of MXFP8 pages and of the same model's\n"
+        "payload-only pages through that L3 backend, as SGLang's cache controller\n"
+        "moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
+        "time from 64 pages (--check: exit 1 if not). Exit 1 also if L3 loses\n"
+        "or changes a page.",
     )
     bench.add_argument(
         "--geometries",
         type=geometries,
         metavar="HxD[xL],...",
         help="HEADSxHEAD_DIM[xLAYERS], comma separated; layers default to "
-        f"{BENCH_LAYERS} (default: bench.GEOMETRIES)",
+        f"{BENCH_LAYERS} (default: bench.GEOMETRIES; --l3: exactly one, default "
+        "bench_l3.GEOMETRY)",
     )
     bench.add_argument(
         "--pages",
@@ -569,15 +742,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup",
         type=non_negative_int,
         metavar="N",
-        default=3,
-        help="untimed rounds (default: %(default)s)",
+        help=f"untimed rounds (default: {L2_WARMUP}; --l3: {L3_WARMUP})",
     )
     bench.add_argument(
         "--repeat",
         type=positive_int,
         metavar="N",
-        default=20,
-        help="timed rounds, of which the median counts (default: %(default)s)",
+        help="timed rounds, of which the median counts (default: "
+        f"{L2_REPEAT}; --l3: {L3_REPEAT})",
     )
     bench.add_argument(
         "--json-out",
@@ -587,6 +759,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--check", action="store_true", help="exit 1 if a cell misses its goal (CI)"
+    )
+    bench.add_argument(
+        "--l3",
+        type=l3_backend,
+        metavar="BACKEND",
+        help="time L3 instead: file or mooncake",
+    )
+    bench.add_argument(
+        "--l3-dir",
+        type=existing_dir,
+        metavar="DIR",
+        help="--l3 file: where the bench makes its own directory, removed at the "
+        "end (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the system "
+        "temp dir)",
+    )
+    bench.add_argument(
+        "--mooncake-config",
+        type=mooncake_config,
+        metavar="JSON",
+        help="--l3 mooncake: the --hicache-storage-backend-extra-config of a "
+        "running master (default: start a master and storage node on loopback)",
     )
     bench.set_defaults(func=cmd_bench)
     return parser
@@ -599,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, SizingError) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BenchFailed as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

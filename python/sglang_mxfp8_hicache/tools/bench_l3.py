@@ -1,0 +1,612 @@
+"""L3 put and get of MXFP8 pages against the same model's payload-only pages.
+
+The question is the one of issue 10: does an MXFP8 page cost more on L3 than
+its extra bytes (4 scale bytes per 128 payload bytes at head_dim 128)? So both
+pools run in one process, on the same backend kind, side by side:
+
+- ``mxfp8``: :class:`MHATokenToKVPoolMXFP8Host` over SGLang's MXFP8 device pool;
+- ``payload``: SGLang's ``MHATokenToKVPoolHost`` over an fp8 device pool of the
+  same heads, head_dim and layers (no scales): the floor.
+
+Each pool gets its own backend, opened by :class:`~.l3.StoragePageIO` as the
+cache controller attaches one (our factory hook included, when the plugin's
+hooks are applied), and pages move through the controller's own page
+functions in its batches of 128. A put is ``backup``, a get is ``fetch``;
+both are timed by wall clock, which is what the controller's storage threads
+spend on them.
+
+Per batch size: one warm-up, then ``reps`` timed repetitions, the pools
+alternating which goes first; the median counts. Every put has fresh keys
+(both backends skip a key they hold, which would time nothing), and what a
+repetition stored is removed before the next, so the disk or the Mooncake
+segment holds one batch per pool at most. Gets land in other host pages than
+the puts came from, poisoned first; the last repetition's are compared byte
+for byte with the pages that were put, and a mismatch fails the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sglang_mxfp8_hicache.tools.l3 import StoragePageIO, page_hashes
+from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE, page_token_indices
+
+BACKENDS = ("file", "mooncake")
+POOLS = ("mxfp8", "payload")
+DIRECTIONS = ("put", "get")
+GEOMETRY = (8, 128, 4)
+"""(KV heads, head_dim, layers): K and V of a page are each 512 KiB of payload
+plus 16 KiB of scales, 1056 KiB a page (payload-only: 1024 KiB)."""
+PAGES = (1, 4, 16, 64, 256, 1024)
+REPS = 5
+WARMUP = 1
+GOAL_RATIO = 1.05
+GOAL_FROM_PAGES = 64
+"""MXFP8 time at most GOAL_RATIO x payload-only time, for batches from here up."""
+FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+"""Overrides HiCacheFile's configured directory; the bench uses it as the
+parent of its own directory instead, so it never writes beside other files."""
+SEGMENT_HEADROOM = 1.3
+"""A loopback segment holds this many times one batch of both pools: Mooncake
+evicts from 95 % full, and an evicted page would fail the get."""
+POISON = 0xA5
+VERIFY_CHUNK_PAGES = 64
+
+
+class L3BenchError(RuntimeError):
+    """The benchmark ran but L3 did not do its job: a put failed, a get missed
+    pages, or pages came back with other bytes. The numbers mean nothing."""
+
+
+class L3Unavailable(RuntimeError):
+    """The benchmark cannot run here: no Mooncake, a master that cannot be
+    reached, host pools that do not fit."""
+
+
+# -- pools ---------------------------------------------------------------------
+
+
+def build_pools(
+    geometry: tuple[int, int, int], max_pages: int, *, device: str, pin_memory: bool
+) -> dict[str, Any]:
+    """The two host pools, each of ``2 * max_pages + 1`` pages (puts from one
+    half, gets into the other), over one-page device pools: L3 never touches
+    the device, and a server's device pool says nothing about L3 speed."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool, build_host_pool
+
+    heads, head_dim, layers = geometry
+    mxfp8_device = build_device_pool(
+        head_num=heads, head_dim=head_dim, layer_num=layers, pages=1, device=device
+    )
+    payload_device = MHATokenToKVPool(
+        size=PAGE_SIZE,
+        page_size=PAGE_SIZE,
+        dtype=torch.float8_e4m3fn,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        device=device,
+        enable_memory_saver=False,
+    )
+    pools: dict[str, Any] = {}
+    try:
+        for name, device_pool, cls in (
+            ("mxfp8", mxfp8_device, MHATokenToKVPoolMXFP8Host),
+            ("payload", payload_device, MHATokenToKVPoolHost),
+        ):
+            pools[name] = build_host_pool(
+                device_pool,
+                cls,
+                host_to_device_ratio=2 * max_pages,
+                pin_memory=pin_memory,
+            )
+    except BaseException:
+        for pool in pools.values():
+            pool.destroy()
+        raise
+    return pools
+
+
+def page_bytes(pool: Any) -> int:
+    """Bytes of one page on L3: everything the host pool holds per page."""
+    return pool.get_size_per_token() * pool.page_size
+
+
+def _page_rows(pool: Any) -> list[torch.Tensor]:
+    """The pool's host bytes as [side, page, bytes] views: payload, and scales."""
+    rows = [pool.kv_buffer.view(torch.uint8).reshape(2, pool.page_num, -1)]
+    scale_host = getattr(pool, "scale_host", None)
+    if scale_host is not None:
+        rows.append(scale_host.view(torch.uint8).reshape(2, pool.page_num, -1))
+    return rows
+
+
+def fill_random(pool: Any, generator: torch.Generator) -> None:
+    """Every host byte random (uniform over 0-255, 8 bytes per draw)."""
+    for rows in _page_rows(pool):
+        flat = rows.view(-1)
+        if flat.numel() % 8 == 0:
+            flat.view(torch.int64).random_(
+                torch.iinfo(torch.int64).min, None, generator=generator
+            )
+        else:
+            flat.random_(0, 256, generator=generator)
+
+
+def _poison(pool: Any, pages: torch.Tensor) -> None:
+    for rows in _page_rows(pool):
+        rows[:, pages] = POISON
+
+
+def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
+    """Host pages ``got`` hold the bytes of pages ``put``, payload and scales."""
+    for rows in _page_rows(pool):
+        for start in range(0, len(got), VERIFY_CHUNK_PAGES):
+            chunk = slice(start, start + VERIFY_CHUNK_PAGES)
+            if not torch.equal(rows[:, got[chunk]], rows[:, put[chunk]]):
+                return False
+    return True
+
+
+# -- L3 ------------------------------------------------------------------------
+
+
+def _remove(
+    io: StoragePageIO, hashes: list[str], host_indices: torch.Tensor, *, strict: bool
+) -> None:
+    """Removes what ``backup(hashes, ...)`` stored and nothing else: a directory
+    or a Mooncake store may be shared. Mooncake's removes are forced, since a
+    get leaves a lease (10 s by default) during which a plain remove fails.
+    ``strict``: raise if Mooncake keeps an object (not after a failed put)."""
+    backend = getattr(io.storage_backend, "_backend", io.storage_backend)
+    if io.backend_name == "file":
+        for key in hashes:
+            name = f"{backend._get_suffixed_key(key)}.bin"
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(backend.file_path, name))
+        return
+    keys, _, _ = backend._batch_preprocess(backend._tag_keys(hashes), host_indices)
+    codes = backend.store.batch_remove(keys, True)
+    failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
+    if failed and strict:
+        raise L3BenchError(
+            f"Mooncake could not remove {len(failed)} of {len(keys)} objects "
+            f"(first: {failed[0][0]}, code {failed[0][1]})"
+        )
+
+
+@contextlib.contextmanager
+def _env_removed(name: str) -> Iterator[None]:
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def loopback_segment_size(pools: Mapping[str, Any], max_pages: int) -> str:
+    """A storage node segment for one batch of each pool (mooncake_client syntax)."""
+    needed = max_pages * sum(page_bytes(p) for p in pools.values())
+    return f"{math.ceil(SEGMENT_HEADROOM * needed / 2**20) + 64}MB"
+
+
+# -- measuring -----------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One batch size: seconds of every timed repetition, per direction and pool."""
+
+    pages: int
+    seconds: dict[str, dict[str, list[float]]]
+    page_bytes: dict[str, int]
+
+    def ms(self, direction: str, pool: str) -> float:
+        return 1e3 * statistics.median(self.seconds[direction][pool])
+
+    def ratio(self, direction: str) -> float:
+        return self.ms(direction, "mxfp8") / self.ms(direction, "payload")
+
+    def pages_per_s(self, direction: str, pool: str) -> float:
+        return self.pages / (self.ms(direction, pool) / 1e3)
+
+    def gb_per_s(self, direction: str, pool: str) -> float:
+        return self.pages_per_s(direction, pool) * self.page_bytes[pool] / 1e9
+
+    @property
+    def has_goal(self) -> bool:
+        return self.pages >= GOAL_FROM_PAGES
+
+    def missed(self) -> list[str]:
+        """The directions over the goal ratio, if this batch has a goal."""
+        if not self.has_goal:
+            return []
+        return [d for d in DIRECTIONS if self.ratio(d) > GOAL_RATIO]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"pages": self.pages}
+        for d in DIRECTIONS:
+            out[d] = {
+                "seconds": self.seconds[d],
+                "median_ms": {p: self.ms(d, p) for p in POOLS},
+                "pages_per_s": {p: self.pages_per_s(d, p) for p in POOLS},
+                "gb_per_s": {p: self.gb_per_s(d, p) for p in POOLS},
+                "ratio": self.ratio(d),
+            }
+        out["goal_ratio"] = GOAL_RATIO if self.has_goal else None
+        out["met"] = not self.missed() if self.has_goal else None
+        return out
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn(*args)
+    return time.perf_counter() - start, result
+
+
+def _one_rep(
+    ios: Mapping[str, StoragePageIO],
+    order: Sequence[str],
+    hashes: list[str],
+    put_pages: torch.Tensor,
+    get_pages: torch.Tensor,
+    *,
+    verify: bool,
+) -> dict[str, dict[str, float]]:
+    """Seconds of one put and one get per pool, each pool's put before any get;
+    what was put is removed afterwards, whatever happened."""
+    pages = len(put_pages)
+    put_at, get_at = page_token_indices(put_pages), page_token_indices(get_pages)
+    took: dict[str, dict[str, float]] = {d: {} for d in DIRECTIONS}
+    for name in order:
+        _poison(ios[name].storage_host_pool, get_pages)
+    done = False
+    try:
+        for name in order:
+            took["put"][name], stored = _timed(ios[name].backup, hashes, put_at)
+            if not stored:
+                raise L3BenchError(
+                    f"{name}: put of {pages} pages failed (disk or Mooncake "
+                    "segment full?)"
+                )
+        for name in order:
+            took["get"][name], arrived = _timed(ios[name].fetch, hashes, get_at)
+            if arrived != pages:
+                raise L3BenchError(f"{name}: get of {pages} pages returned {arrived}")
+        for name in order if verify else ():
+            if not _same_pages(ios[name].storage_host_pool, get_pages, put_pages):
+                raise L3BenchError(
+                    f"{name}: {pages} pages came back from L3 with other bytes "
+                    "than were put"
+                )
+        done = True
+    finally:
+        for name in order:
+            _remove(ios[name], hashes, put_at, strict=done)
+    return took
+
+
+def measure(
+    ios: Mapping[str, StoragePageIO],
+    pages_list: Sequence[int],
+    *,
+    reps: int = REPS,
+    warmup: int = WARMUP,
+    seed: int = 0,
+    progress: Callable[[], None] = lambda: None,
+) -> list[Cell]:
+    """Times put and get of every batch size on both pools (``ios`` keyed by
+    :data:`POOLS`; their host pools of equal page count, at least twice the
+    largest batch). Raises :class:`L3BenchError` if L3 loses or changes a page."""
+    pools = {name: io.storage_host_pool for name, io in ios.items()}
+    page_num = min(p.page_num for p in pools.values())
+    if 2 * max(pages_list) > page_num:
+        raise ValueError(f"{max(pages_list)} pages need 2x as many host pages")
+    gen = torch.Generator().manual_seed(seed)
+    for pool in pools.values():
+        fill_random(pool, gen)
+    sizes = {name: page_bytes(pool) for name, pool in pools.items()}
+    cells = []
+    for pages in pages_list:
+        perm = torch.randperm(page_num, generator=gen)
+        put_pages, get_pages = perm[:pages], perm[pages : 2 * pages]
+        seconds = {d: {name: [] for name in POOLS} for d in DIRECTIONS}
+        for rep in range(warmup + reps):
+            # Fresh keys: a backend skips the put of a key it holds.
+            tokens = torch.randint(0, 1 << 30, (pages * PAGE_SIZE,), generator=gen)
+            hashes = page_hashes(tokens.tolist(), PAGE_SIZE)
+            shift = rep % len(POOLS)
+            took = _one_rep(
+                ios,
+                POOLS[shift:] + POOLS[:shift],
+                hashes,
+                put_pages,
+                get_pages,
+                verify=rep == warmup + reps - 1,
+            )
+            for d in DIRECTIONS:
+                for name in POOLS if rep >= warmup else ():
+                    seconds[d][name].append(took[d][name])
+            progress()
+        cells.append(Cell(pages, seconds, sizes))
+    return cells
+
+
+# -- a run ---------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    backend: str
+    store: str
+    """Where pages went: the file directory, or the Mooncake master."""
+    geometry: tuple[int, int, int]
+    reps: int
+    warmup: int
+    format_tag: str
+    page_bytes: dict[str, int]
+    cells: list[Cell]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def byte_ratio(self) -> float:
+        """What 'their extra bytes' allow: MXFP8 page bytes / payload page bytes."""
+        return self.page_bytes["mxfp8"] / self.page_bytes["payload"]
+
+    @property
+    def geometry_text(self) -> str:
+        return "x".join(str(n) for n in self.geometry)
+
+    def missed(self) -> list[tuple[int, str, float]]:
+        """(pages, direction, ratio) of every cell over its goal."""
+        return [(c.pages, d, c.ratio(d)) for c in self.cells for d in c.missed()]
+
+    def to_json(self) -> str:
+        heads, head_dim, layers = self.geometry
+        return json.dumps(
+            {
+                "backend": self.backend,
+                "store": self.store,
+                "geometry": {"heads": heads, "head_dim": head_dim, "layers": layers},
+                "page_size": PAGE_SIZE,
+                "reps": self.reps,
+                "warmup": self.warmup,
+                "format_tag": self.format_tag,
+                "page_bytes": self.page_bytes,
+                "byte_ratio": self.byte_ratio,
+                "goal": {"ratio": GOAL_RATIO, "from_pages": GOAL_FROM_PAGES},
+                **self.meta,
+                "cells": [c.to_dict() for c in self.cells],
+            },
+            indent=1,
+        )
+
+
+def run_metadata() -> dict[str, Any]:
+    from sglang_mxfp8_hicache import __version__
+    from sglang_mxfp8_hicache.plugin import sglang_version
+
+    return {
+        "sglang_version": sglang_version(),
+        "plugin_version": __version__,
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
+        "timing": "wall clock (time.perf_counter), median of the timed reps",
+        "verified": "every get returned every page; the last rep's gets of each "
+        "batch size compared byte for byte with the pages put",
+    }
+
+
+def apply_plugin_hooks() -> None:
+    """The plugin's hooks, applied as SGLang's ``load_plugins`` applies them, so
+    that the MXFP8 backends carry the storage guard a server's would."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_mxfp8_hicache import plugin
+
+    plugin.register()
+    if not plugin.is_registered():
+        raise L3Unavailable(
+            f"the plugin registered no hooks ({plugin.DISABLE_ENV} set, or sglang "
+            f"{plugin.sglang_version()} unsupported): a server would not use this "
+            "host pool"
+        )
+    HookRegistry.apply_hooks()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _store(
+    stack: contextlib.ExitStack,
+    backend: str,
+    pools: Mapping[str, Any],
+    max_pages: int,
+    l3_dir: str | None,
+    mooncake_config: dict[str, Any] | None,
+) -> tuple[dict[str, Any], str]:
+    """(extra config of the backend, where pages go); what it makes or starts
+    is undone when ``stack`` closes."""
+    if backend == "file":
+        parent = l3_dir or os.environ.get(FILE_DIR_ENV) or None
+        root = tempfile.mkdtemp(prefix="sglang-mxfp8-hicache-l3-", dir=parent)
+        stack.callback(shutil.rmtree, root, ignore_errors=True)
+        stack.enter_context(_env_removed(FILE_DIR_ENV))
+        return {"file_storage_path": root}, root
+    if mooncake_config is not None:
+        master = mooncake_config.get("master_server_address")
+        return dict(mooncake_config), f"master {master or 'of the client server'}"
+    from sglang_mxfp8_hicache.tools.mooncake_loopback import (
+        MooncakeError,
+        MooncakeLoopback,
+    )
+
+    service = MooncakeLoopback(segment_size=loopback_segment_size(pools, max_pages))
+    try:
+        stack.enter_context(service)
+    except MooncakeError as exc:
+        raise L3Unavailable(
+            f"Mooncake on loopback did not start: {_first_line(exc)}"
+        ) from exc
+    return service.extra_config(), (
+        f"loopback master {service.master_address}, segment {service.segment_size}"
+    )
+
+
+def run(
+    backend: str,
+    geometry: tuple[int, int, int] = GEOMETRY,
+    pages_list: Sequence[int] = PAGES,
+    *,
+    reps: int = REPS,
+    warmup: int = WARMUP,
+    device: str = "cuda",
+    pin_memory: bool = True,
+    l3_dir: str | None = None,
+    mooncake_config: dict[str, Any] | None = None,
+) -> Report:
+    """Builds both pools, opens ``backend`` for each (a fresh directory for
+    ``file``; for ``mooncake`` the master of ``mooncake_config``, or a loopback
+    one started here), measures, and removes whatever it started or wrote.
+    Progress goes to stderr, one step per repetition."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "mooncake" and mooncake_config is None:
+        from sglang_mxfp8_hicache.tools.mooncake_loopback import mooncake_available
+
+        reason = mooncake_available()  # before GBs of host pools are pinned
+        if reason is not None:
+            raise L3Unavailable(f"Mooncake cannot run here: {reason}")
+    max_pages = max(pages_list)
+    with contextlib.ExitStack() as stack:
+        try:
+            pools = build_pools(
+                geometry, max_pages, device=device, pin_memory=pin_memory
+            )
+        except (ValueError, RuntimeError) as exc:  # e.g. not enough host memory
+            raise L3Unavailable(
+                f"cannot build the host pools: {_first_line(exc)}"
+            ) from exc
+        for pool in pools.values():
+            stack.callback(pool.destroy)
+        extra_config, store = _store(
+            stack, backend, pools, max_pages, l3_dir, mooncake_config
+        )
+        run_id = uuid.uuid4().hex[:8]
+        ios = {}
+        for name, pool in pools.items():
+            try:
+                io = StoragePageIO.open(
+                    backend,
+                    pool,
+                    model_name=f"bench-l3-{run_id}-{name}",
+                    extra_config=extra_config,
+                )
+            except Exception as exc:
+                raise L3Unavailable(
+                    f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
+                ) from exc
+            stack.callback(io.close)
+            ios[name] = io
+        try:
+            from tqdm import tqdm
+        except ImportError:  # pragma: no cover - tqdm ships with sglang
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(
+                total=len(pages_list) * (warmup + reps), desc="bench --l3", unit="rep"
+            )
+            stack.callback(bar.close)
+        cells = measure(
+            ios,
+            pages_list,
+            reps=reps,
+            warmup=warmup,
+            progress=bar.update if tqdm is not None else lambda: None,
+        )
+        return Report(
+            backend=backend,
+            store=store,
+            geometry=tuple(geometry),
+            reps=reps,
+            warmup=warmup,
+            format_tag=pools["mxfp8"].storage_format_tag,
+            page_bytes={name: page_bytes(pool) for name, pool in pools.items()},
+            cells=cells,
+            meta=run_metadata(),
+        )
+
+
+# -- output --------------------------------------------------------------------
+
+
+def table(report: Report) -> tuple[list[str], list[list[str]]]:
+    headers = [
+        "pages",
+        "put MXFP8 ms",
+        "put payload ms",
+        "put x",
+        "get MXFP8 ms",
+        "get payload ms",
+        "get x",
+        "MXFP8 put pages/s",
+        "put GB/s",
+        "MXFP8 get pages/s",
+        "get GB/s",
+        "bytes x",
+        f"<={GOAL_RATIO}x",
+    ]
+    body = []
+    for c in report.cells:
+        row = [str(c.pages)]
+        for d in DIRECTIONS:
+            row += [
+                f"{c.ms(d, 'mxfp8'):.3f}",
+                f"{c.ms(d, 'payload'):.3f}",
+                f"{c.ratio(d):.3f}",
+            ]
+        for d in DIRECTIONS:
+            row += [f"{c.pages_per_s(d, 'mxfp8'):.0f}", f"{c.gb_per_s(d, 'mxfp8'):.2f}"]
+        row.append(f"{report.byte_ratio:.4f}")
+        row.append(("NO" if c.missed() else "yes") if c.has_goal else "-")
+        body.append(row)
+    return headers, body
+
+
+def describe(report: Report) -> str:
+    """The line above the table: what ran, where, and how it was counted."""
+    pb = report.page_bytes
+    return (
+        f"L3 {report.backend} ({report.store}), {report.geometry_text} "
+        f"(heads x head_dim x layers), page_size {PAGE_SIZE}: MXFP8 page "
+        f"{pb['mxfp8']} B, payload-only {pb['payload']} B; key tag "
+        f"{report.format_tag}; median of {report.reps} reps after {report.warmup} "
+        "warm-up, wall clock; the last rep's gets compared byte for byte; "
+        f"{report.meta.get('device') or 'no GPU'}, "
+        f"sglang {report.meta.get('sglang_version')}"
+    )

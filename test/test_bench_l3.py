@@ -1,0 +1,334 @@
+"""``bench --l3``: its flags, its exit codes, and tiny real runs on the CPU.
+
+The flags are checked before CUDA is looked for, as the L2 bench's are: one
+line on stderr, exit 2. The real runs build both host pools with the kernel
+emulations (``cpu_kernels``), apply the plugin's storage hook for the test only
+(as test_storage does), and go through SGLang's real ``file`` and ``mooncake``
+backends: the numbers must be there, and a get that brings back other bytes
+must fail the run.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_mxfp8_hicache import storage
+from sglang_mxfp8_hicache.tools import bench_l3
+from sglang_mxfp8_hicache.tools.cli import main
+
+TINY = (1, 128, 2)
+"""1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload
+and 2 x 1 KiB of scales."""
+TINY_PAGE = {"mxfp8": 2 * (32768 + 1024), "payload": 2 * 32768}
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+MASTER = '{"master_server_address": "127.0.0.1:50051"}'
+
+
+def bad(case_id: str, argv: list, *expected: str):
+    return pytest.param(["bench", *argv], expected, id=case_id)
+
+
+BAD_INPUTS = [
+    bad("l3_bogus", ["--l3", "bogus"], "--l3", "'bogus'", "file or mooncake"),
+    bad("l3_refused_backend", ["--l3", "hf3fs"], "--l3", "'hf3fs'"),
+    bad("l3_geometry_8by128", ["--l3", "file", "--geometries", "8by128"], "8by128"),
+    bad("l3_geometry_head_dim", ["--l3", "file", "--geometries", "8x100x4"], "8x100x4"),
+    bad(
+        "l3_two_geometries",
+        ["--l3", "file", "--geometries", "8x128x4,8x128x8"],
+        "--l3 takes one geometry, got 2",
+    ),
+    bad("l3_pages_0", ["--l3", "file", "--pages", "64,0"], "--pages", "64,0"),
+    bad("l3_repeat_0", ["--l3", "file", "--repeat", "0"], "--repeat", "0"),
+    bad(
+        "l3_json_out_no_directory",
+        ["--l3", "file", "--json-out", "/nonexistent/l3.json"],
+        "--json-out",
+    ),
+    bad("l3_with_ablations", ["--l3", "file", "--ablations", "rows128"], "--ablations"),
+    bad(
+        "l3_dir_missing",
+        ["--l3", "file", "--l3-dir", "/nonexistent/dir"],
+        "--l3-dir",
+        "existing directory",
+    ),
+    bad(
+        "l3_dir_with_mooncake",
+        ["--l3", "mooncake", "--l3-dir", lambda tmp: str(tmp)],
+        "--l3-dir is for --l3 file",
+    ),
+    bad("l3_dir_without_l3", ["--l3-dir", lambda tmp: str(tmp)], "--l3-dir needs"),
+    bad(
+        "mooncake_config_not_json",
+        ["--l3", "mooncake", "--mooncake-config", "master=1"],
+        "--mooncake-config",
+        "JSON object",
+        "'master=1'",
+    ),
+    bad(
+        "mooncake_config_not_object",
+        ["--l3", "mooncake", "--mooncake-config", '["127.0.0.1:50051"]'],
+        "--mooncake-config",
+        "JSON object",
+    ),
+    bad(
+        "mooncake_config_multiline",
+        ["--l3", "mooncake", "--mooncake-config", "{\n"],
+        "--mooncake-config",
+    ),
+    bad(
+        "mooncake_config_no_master",
+        ["--l3", "mooncake", "--mooncake-config", '{"protocol": "tcp"}'],
+        "--mooncake-config",
+        "master_server_address",
+    ),
+    bad(
+        "mooncake_config_with_file",
+        ["--l3", "file", "--mooncake-config", MASTER],
+        "--mooncake-config is for --l3 mooncake",
+    ),
+    bad(
+        "mooncake_config_without_l3",
+        ["--mooncake-config", MASTER],
+        "--mooncake-config needs --l3 mooncake",
+    ),
+    bad("no_cuda", ["--l3", "file", "--pages", "64"], "needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", BAD_INPUTS)
+def test_bad_input_is_one_line(argv, expected, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = [arg(tmp_path) if callable(arg) else arg for arg in argv]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2, err
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
+    assert err.startswith("sglang-mxfp8-hicache bench: error: "), err
+    assert "Traceback" not in err
+    for text in expected:
+        assert text in err, err
+
+
+def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> bench_l3.Report:
+    """A report of 1 and 64 pages; the 64-page cell's MXFP8 times are the ratios."""
+
+    def cell(pages: int, put: float, get: float) -> bench_l3.Cell:
+        base = 1e-3 * pages
+        return bench_l3.Cell(
+            pages,
+            {
+                "put": {"mxfp8": [put * base] * 3, "payload": [base] * 3},
+                "get": {"mxfp8": [get * base] * 3, "payload": [base] * 3},
+            },
+            {"mxfp8": 1056, "payload": 1024},
+        )
+
+    return bench_l3.Report(
+        backend="file",
+        store="/somewhere",
+        geometry=(8, 128, 4),
+        reps=3,
+        warmup=1,
+        format_tag="mxfp8v1-test",
+        page_bytes={"mxfp8": 1056, "payload": 1024},
+        cells=[cell(1, 2.0, 2.0), cell(64, put_ratio, get_ratio)],
+        meta={"sglang_version": "0.5.23", "device": "Fake GPU"},
+    )
+
+
+@pytest.fixture
+def fake_run(monkeypatch) -> SimpleNamespace:
+    """``bench --l3`` as on a CUDA GPU, without one: ``run`` records its
+    arguments and returns ``fake.report``, or raises ``fake.error``."""
+    fake = SimpleNamespace(calls=[], report=fake_report(), error=None)
+
+    def run(backend, geometry, pages, **kwargs):
+        fake.calls.append((backend, geometry, pages, kwargs))
+        if fake.error is not None:
+            raise fake.error
+        return fake.report
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_l3, "apply_plugin_hooks", lambda: None)
+    monkeypatch.setattr(bench_l3, "run", run)
+    return fake
+
+
+def test_arguments_reach_run(fake_run, tmp_path, capsys):
+    assert run_cli(["bench", "--l3", "file"], capsys)[0] == 0
+    backend, geometry, pages, kwargs = fake_run.calls[-1]
+    assert (backend, geometry, pages) == ("file", bench_l3.GEOMETRY, bench_l3.PAGES)
+    assert (kwargs["reps"], kwargs["warmup"]) == (5, 1)
+    assert kwargs["l3_dir"] is None and kwargs["mooncake_config"] is None
+    argv = ["bench", "--l3", "mooncake", "--geometries", "4x64", "--pages", "2,8"]
+    argv += ["--repeat", "3", "--warmup", "0", "--mooncake-config", MASTER]
+    assert run_cli(argv, capsys)[0] == 0
+    backend, geometry, pages, kwargs = fake_run.calls[-1]
+    assert (backend, geometry, pages) == ("mooncake", (4, 64, 8), (2, 8))
+    assert (kwargs["reps"], kwargs["warmup"]) == (3, 0)
+    assert kwargs["mooncake_config"] == json.loads(MASTER)
+    argv = ["bench", "--l3", "file", "--l3-dir", str(tmp_path)]
+    assert run_cli(argv, capsys)[0] == 0
+    assert fake_run.calls[-1][3]["l3_dir"] == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "flags, ratios, code",
+    [
+        pytest.param([], (1.2, 1.0), 0, id="completed_with_a_miss"),
+        pytest.param(["--check"], (1.05, 1.0), 0, id="check_at_the_goal"),
+        pytest.param(["--check"], (1.0, 1.1), 1, id="check_get_missed"),
+    ],
+)
+def test_table_and_exit_code(flags, ratios, code, fake_run, tmp_path, capsys):
+    """The 1-page cell (2x) has no goal; the 64-page one decides."""
+    fake_run.report = fake_report(*ratios)
+    out_file = tmp_path / "l3.json"
+    argv = ["bench", "--l3", "file", *flags, "--json-out", str(out_file)]
+    exit_code, out, err = run_cli(argv, capsys)
+    assert exit_code == code, err
+    lines = out.splitlines()
+    assert lines[0].startswith("L3 file (/somewhere), 8x128x4")
+    assert "MXFP8 put pages/s" in lines[1] and "bytes x" in lines[1]
+    one, sixty_four = lines[3].split(), lines[4].split()
+    assert one[0] == "1" and one[3] == "2.000" and one[-1] == "-"
+    # 64 pages in 64 ms: 1000 pages/s, 1.056 GB/s of MXFP8 pages at ratio 1.
+    assert sixty_four[0] == "64" and sixty_four[-2] == "1.0312"
+    assert sixty_four[3] == f"{ratios[0]:.3f}" and sixty_four[6] == f"{ratios[1]:.3f}"
+    missed = max(ratios) > bench_l3.GOAL_RATIO
+    assert sixty_four[-1] == ("NO" if missed else "yes")
+    assert ("Over 1.05x payload-only from 64 pages: 64 pages" in out) == missed
+    data = json.loads(out_file.read_text())
+    assert data["byte_ratio"] == 1056 / 1024 and data["device"] == "Fake GPU"
+    assert [c["met"] for c in data["cells"]] == [None, not missed]
+    assert err == (
+        "sglang-mxfp8-hicache bench: 1 of 2 cells miss their goal\n" if code else ""
+    )
+
+
+@pytest.mark.parametrize(
+    "error, code",
+    [
+        pytest.param(
+            bench_l3.L3Unavailable("Mooncake cannot run here: x"), 2, id="unavailable"
+        ),
+        pytest.param(
+            bench_l3.L3BenchError("mxfp8: 4 pages came back"), 1, id="wrong_bytes"
+        ),
+    ],
+)
+def test_failure_is_one_line(error, code, fake_run, capsys):
+    fake_run.error = error
+    exit_code, out, err = run_cli(["bench", "--l3", "mooncake"], capsys)
+    assert (exit_code, out) == (code, "")
+    assert len(err.splitlines()) == 1 and str(error) in err, err
+
+
+def test_mooncake_missing_is_one_line(monkeypatch, capsys):
+    """Said before any host pool is built (pools of GBs, pinned)."""
+    from sglang_mxfp8_hicache.tools import mooncake_loopback
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_l3, "apply_plugin_hooks", lambda: None)
+    monkeypatch.setattr(
+        mooncake_loopback, "mooncake_available", lambda: "no libibverbs"
+    )
+    monkeypatch.setattr(bench_l3, "build_pools", pytest.fail)
+    code, out, err = run_cli(["bench", "--l3", "mooncake"], capsys)
+    assert (code, out) == (2, "")
+    assert (
+        err
+        == "sglang-mxfp8-hicache bench: error: Mooncake cannot run here: no libibverbs\n"
+    )
+
+
+# -- real runs on the CPU ------------------------------------------------------
+
+
+@pytest.fixture
+def storage_hooks(monkeypatch):
+    """The plugin's storage hook, through HookRegistry's AROUND wrapper, for
+    this test only (``apply_plugin_hooks`` patches the whole process)."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    create = StorageBackendFactory.__dict__["create_backend"].__func__
+    monkeypatch.setattr(
+        StorageBackendFactory,
+        "create_backend",
+        classmethod(_wrap_fn(create, storage.guard_storage_backend, HookType.AROUND)),
+    )
+
+
+def tiny_run(backend: str, **kwargs) -> bench_l3.Report:
+    return bench_l3.run(
+        backend, TINY, (1, 2), reps=1, device="cpu", pin_memory=False, **kwargs
+    )
+
+
+def check_report(report: bench_l3.Report) -> None:
+    assert [c.pages for c in report.cells] == [1, 2]
+    assert report.page_bytes == TINY_PAGE
+    assert report.byte_ratio == 1.03125
+    assert report.format_tag.startswith("mxfp8v1-l2h1d128p128")
+    for cell in report.cells:
+        for d in bench_l3.DIRECTIONS:
+            for pool in bench_l3.POOLS:
+                assert len(cell.seconds[d][pool]) == 1
+                assert cell.ms(d, pool) > 0 and cell.gb_per_s(d, pool) > 0
+    data = json.loads(report.to_json())
+    assert data["sglang_version"] == "0.5.23" and data["geometry"]["layers"] == 2
+    assert len(data["cells"]) == 2 and data["cells"][0]["met"] is None
+
+
+def test_file_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch):
+    """Pages go to a directory of its own under --l3-dir, removed at the end;
+    the env variable that would override HiCacheFile's directory does not."""
+    monkeypatch.setenv(bench_l3.FILE_DIR_ENV, str(tmp_path / "not-here"))
+    report = tiny_run("file", l3_dir=str(tmp_path))
+    check_report(report)
+    assert report.store.startswith(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mooncake_run(cpu_kernels, storage_hooks, mooncake):
+    """Against a running master (the session's loopback one), as with
+    --mooncake-config: what the run stored is removed, so the store's other
+    objects are left alone and a second run's puts are not skipped."""
+    for _ in range(2):
+        check_report(tiny_run("mooncake", mooncake_config=mooncake.extra_config()))
+
+
+def test_wrong_bytes_fail_the_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch):
+    """One scale byte of each MXFP8 page read back is changed: the run fails,
+    naming the pool, and leaves no directory behind."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    read = HiCacheFile.get
+    mxfp8_page = TINY_PAGE["mxfp8"]
+
+    def corrupt(self, key, target_location, target_sizes=None):
+        got = read(self, key, target_location, target_sizes)
+        if got is not None and got.numel() * got.element_size() == mxfp8_page:
+            got.view(torch.uint8)[-1] ^= 0xFF
+        return got
+
+    monkeypatch.setattr(HiCacheFile, "get", corrupt)
+    with pytest.raises(bench_l3.L3BenchError, match="^mxfp8: 1 pages came back"):
+        tiny_run("file", l3_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
