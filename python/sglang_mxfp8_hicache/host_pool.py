@@ -427,22 +427,18 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     # L3 storage: a page is [K payload | K scales] [V payload | V scales].
 
-    def _storage_parts(self, index: int) -> tuple[torch.Tensor, ...]:
-        """The four byte spans of the host page at token ``index``, in L3 order:
-        K payload, K scales, V payload, V scales (flat uint8 views)."""
+    def _storage_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host page at token ``index`` as two uint8 views with one row for
+        K and one for V: its payload bytes (2, P) and its scale bytes (2, S).
+        Row by row, payload then scales, is the page's L3 byte order."""
         if index % self.page_size:
             raise ValueError(
                 f"{self.pool_label}: L3 page index {index} is not a page start "
                 f"(page_size {self.page_size})"
             )
-        page = index // self.page_size
         tokens = slice(index, index + self.page_size)
-        return (
-            self.k_buffer[tokens].view(torch.uint8).view(-1),
-            self.k_scale_host[page].view(-1),
-            self.v_buffer[tokens].view(torch.uint8).view(-1),
-            self.v_scale_host[page].view(-1),
-        )
+        payload = self.kv_buffer[:, tokens].view(torch.uint8).view(2, -1)
+        return payload, self.scale_host[:, index // self.page_size].view(2, -1)
 
     @property
     def storage_part_bytes(self) -> tuple[int, int]:
@@ -462,13 +458,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        """The page as one flat uint8 tensor (a copy): the L3 byte order."""
+        """The page as one flat uint8 copy in L3 byte order (pinned like the
+        read target: torch reuses pinned blocks, plain ones fault in afresh)."""
         if not flat:
             raise NotImplementedError(
                 f"{self.pool_label}: an MXFP8 page has no non-flat shape that "
                 "holds its scales; only flat pages and get_page_buffer_meta exist."
             )
-        return torch.cat(self._storage_parts(int(index)))
+        page = self.get_dummy_flat_data_page()
+        torch.cat(self._storage_rows(int(index)), dim=1, out=page.view(2, -1))
+        return page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         # A read target for one page, pinned as SGLang's base class makes it:
@@ -482,25 +481,24 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        parts = self._storage_parts(int(index))
+        payload, scales = self._storage_rows(int(index))
         data = data_page.view(-1).view(torch.uint8)
-        if data.numel() != sum(part.numel() for part in parts):
+        if data.numel() != payload.numel() + scales.numel():
             raise ValueError(
                 f"{self.pool_label}: flat page of {data.numel()} bytes, an MXFP8 "
-                f"page of this pool is {sum(part.numel() for part in parts)}: "
+                f"page of this pool is {payload.numel() + scales.numel()}: "
                 f"{self.describe_storage_page()}"
             )
-        for part, src in zip(
-            parts, data.split([p.numel() for p in parts]), strict=True
-        ):
-            part.copy_(src)
+        rows = data.view(2, -1)
+        payload.copy_(rows[:, : payload.shape[1]])
+        scales.copy_(rows[:, payload.shape[1] :])
 
     def get_page_buffer_meta(self, indices):
         """Per page ``[k, k_scale]`` then ``[v, v_scale]`` host pointers and sizes.
 
         Two entries per page, as Mooncake's MHA path demands; each is a list of
         two spans, which it stores as one object, the parts concatenated. The
-        pointers are those of ``_storage_parts``, computed without a view.
+        pointers are those of ``_storage_rows``, computed without a view.
         """
         payload_bytes, scale_bytes = self.storage_part_bytes
         sizes = [payload_bytes, scale_bytes]
