@@ -130,14 +130,16 @@ class MooncakeLoopback:
         self,
         *,
         segment_size: str = "512MB",
-        lease_ttl: str = "200ms",
+        lease_ttl: str = "10s",
         ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
         """``segment_size``: memory of the storage node, in mooncake_client's
         syntax; tests that fill it see evictions (high watermark 0.95).
-        ``lease_ttl``: how long a read pins an object (Mooncake's default is
-        10 s, during which ``remove`` and ``remove_all`` fail with -706
-        OBJECT_HAS_LEASE; short so a test can clear right after reading)."""
+        ``lease_ttl``: how long a read pins an object, Mooncake's default as a
+        server sees it. A batch read that takes longer than the lease fails
+        with LEASE_EXPIRED (200 ms broke 128-page batches of 8 MiB pages over
+        TCP); while it holds, ``remove`` and ``remove_all`` fail with -706
+        OBJECT_HAS_LEASE unless forced."""
         self.segment_size = segment_size
         self.lease_ttl = lease_ttl
         self.ready_timeout_s = ready_timeout_s
