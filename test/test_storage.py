@@ -187,6 +187,8 @@ def test_flat_page_round_trip_and_wrong_size(make_pools):
         host.set_from_flat_data_page(0, page[:-1])
     with pytest.raises(ValueError, match="not a page start"):
         host.get_data_page(5)
+    with pytest.raises(ValueError, match="L3 page index 5 is not a page start"):
+        host.get_page_buffer_meta(torch.arange(5, 5 + 2 * PAGE_SIZE))
 
 
 @on_cpu

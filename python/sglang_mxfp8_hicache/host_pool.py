@@ -427,18 +427,23 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     # L3 storage: a page is [K payload | K scales] [V payload | V scales].
 
-    def _storage_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The host page at token ``index`` as two uint8 views with one row for
-        K and one for V: its payload bytes (2, P) and its scale bytes (2, S).
-        Row by row, payload then scales, is the page's L3 byte order."""
+    def _storage_page(self, index: int) -> int:
+        """The host page that starts at token ``index``; L3 moves whole pages."""
         if index % self.page_size:
             raise ValueError(
                 f"{self.pool_label}: L3 page index {index} is not a page start "
                 f"(page_size {self.page_size})"
             )
+        return index // self.page_size
+
+    def _storage_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host page at token ``index`` as two uint8 views with one row for
+        K and one for V: its payload bytes (2, P) and its scale bytes (2, S).
+        Row by row, payload then scales, is the page's L3 byte order."""
+        page = self._storage_page(index)
         tokens = slice(index, index + self.page_size)
         payload = self.kv_buffer[:, tokens].view(torch.uint8).view(2, -1)
-        return payload, self.scale_host[:, index // self.page_size].view(2, -1)
+        return payload, self.scale_host[:, page].view(2, -1)
 
     @property
     def storage_part_bytes(self) -> tuple[int, int]:
@@ -498,32 +503,32 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
         Two entries per page, as Mooncake's MHA path demands; each is a list of
         two spans, which it stores as one object, the parts concatenated. The
-        pointers are those of ``_storage_rows``, computed without a view.
+        pointers are those of ``_storage_rows``, computed for all pages at once.
         """
         payload_bytes, scale_bytes = self.storage_part_bytes
-        sizes = [payload_bytes, scale_bytes]
-        payload_token_bytes = payload_bytes // self.page_size
-        ptrs, lengths = [], []
-        for index in indices[:: self.page_size].tolist():
-            if index % self.page_size:
-                raise ValueError(
-                    f"{self.pool_label}: L3 page index {index} is not a page start "
-                    f"(page_size {self.page_size})"
-                )
-            payload = index * payload_token_bytes
-            scales = index // self.page_size * scale_bytes
-            ptrs.append([self._k_ptr + payload, self._k_scale_ptr + scales])
-            ptrs.append([self._v_ptr + payload, self._v_scale_ptr + scales])
-            lengths += [sizes, sizes]
-        return ptrs, lengths
+        starts = indices[:: self.page_size].to(device="cpu", dtype=torch.int64)
+        misaligned = starts[starts % self.page_size != 0]
+        if len(misaligned):
+            self._storage_page(int(misaligned[0]))  # raises, naming the index
+        payload = starts * (payload_bytes // self.page_size)
+        scales = starts // self.page_size * scale_bytes
+        pointers = torch.stack(
+            [
+                self._k_ptr + payload,
+                self._k_scale_ptr + scales,
+                self._v_ptr + payload,
+                self._v_scale_ptr + scales,
+            ],
+            dim=1,
+        )
+        return pointers.view(-1, 2).tolist(), [[payload_bytes, scale_bytes]] * (
+            2 * len(starts)
+        )
 
     def get_page_buffer_element_size(self, split_factor: int = 1) -> int:
         """Bytes of one stored object: a page's K (or V) payload and its scales."""
         if split_factor != 1:
-            raise NotImplementedError(
-                f"{self.pool_label}: MXFP8 pages cannot be split by heads "
-                "(the page_head layout is not served)"
-            )
+            self.get_split_heads_page_buffer_meta(None, split_factor)
         return sum(self.storage_part_bytes)
 
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
