@@ -18,21 +18,12 @@ import torch
 
 from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.tools import bench_l3
-from sglang_mxfp8_hicache.tools.cli import main
+from test_cli import run_cli  # the same in-process runner as the CLI tests
 
 TINY = (1, 128, 2)
 """1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload
 and 2 x 1 KiB of scales."""
 TINY_PAGE = {"mxfp8": 2 * (32768 + 1024), "payload": 2 * 32768}
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 MASTER = '{"master_server_address": "127.0.0.1:50051"}'

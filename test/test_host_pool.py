@@ -229,17 +229,13 @@ def test_refuses_asymmetric_heads(cpu_kernels, no_allocation):
 
 
 def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    pool = MHATokenToKVPool(
-        size=256,
-        page_size=128,
-        dtype=torch.float8_e4m3fn,
+    pool = build_device_pool(
         head_num=2,
         head_dim=128,
         layer_num=2,
+        pages=2,
         device="cpu",
-        enable_memory_saver=False,
+        payload_dtype=torch.float8_e4m3fn,
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MXFP8HiCacheConfigError, match="--kv-cache-dtype mxfp8 only"):

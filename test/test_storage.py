@@ -31,6 +31,7 @@ from sglang_mxfp8_hicache.host_pool import (
 from sglang_mxfp8_hicache.tools.l3 import StoragePageIO, page_hashes
 from sglang_mxfp8_hicache.tools.selfcheck import (
     PAGE_SIZE,
+    build_device_pool,
     build_host_pool,
     fill_random,
     page_token_indices,
@@ -345,17 +346,13 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
 
 @pytest.fixture
 def bf16_host(cpu_kernels):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    device_pool = MHATokenToKVPool(
-        size=9 * PAGE_SIZE,
-        page_size=PAGE_SIZE,
-        dtype=torch.bfloat16,
+    device_pool = build_device_pool(
         head_num=2,
         head_dim=128,
         layer_num=2,
+        pages=9,
         device="cpu",
-        enable_memory_saver=False,
+        payload_dtype=torch.bfloat16,
     )
     host = build_host_pool(
         device_pool, MHATokenToKVPoolHost, host_to_device_ratio=1.0, pin_memory=False
@@ -426,8 +423,6 @@ def test_mooncake_startup_allocator_round_trip(
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
         MooncakeHostTensorAllocator,
     )
-
-    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
 
     device_pool = build_device_pool(
         head_num=4, head_dim=128, layer_num=2, pages=9, device="cpu"

@@ -87,25 +87,22 @@ def build_pools(
     """The two host pools, each of ``2 * max_pages + 1`` pages (puts from one
     half, gets into the other), over one-page device pools: L3 never touches
     the device, and a server's device pool says nothing about L3 speed."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
     from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool, build_host_pool
 
     heads, head_dim, layers = geometry
-    mxfp8_device = build_device_pool(
-        head_num=heads, head_dim=head_dim, layer_num=layers, pages=1, device=device
-    )
-    payload_device = MHATokenToKVPool(
-        size=PAGE_SIZE,
-        page_size=PAGE_SIZE,
-        dtype=torch.float8_e4m3fn,
-        head_num=heads,
-        head_dim=head_dim,
-        layer_num=layers,
-        device=device,
-        enable_memory_saver=False,
+    mxfp8_device, payload_device = (
+        build_device_pool(
+            head_num=heads,
+            head_dim=head_dim,
+            layer_num=layers,
+            pages=1,
+            device=device,
+            payload_dtype=dtype,
+        )
+        for dtype in (None, torch.float8_e4m3fn)
     )
     pools: dict[str, Any] = {}
     try:

@@ -52,14 +52,17 @@ def build_device_pool(
     device: str,
     page_size: int = PAGE_SIZE,
     v_head_dim: int | None = None,
+    payload_dtype: torch.dtype | None = None,
 ) -> MHATokenToKVPoolMXFP8:
-    """SGLang's own MXFP8 device pool; page 0 is its padding page."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    """SGLang's own MXFP8 device pool, or with ``payload_dtype`` its plain MHA
+    pool of that dtype (no scales); page 0 is its padding page."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
-    return MHATokenToKVPoolMXFP8(
+    cls = MHATokenToKVPoolMXFP8 if payload_dtype is None else MHATokenToKVPool
+    return cls(
         size=pages * page_size,
         page_size=page_size,
-        dtype=torch.float8_e4m3fn,
+        dtype=payload_dtype or torch.float8_e4m3fn,
         head_num=head_num,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
