@@ -18,101 +18,12 @@ import torch
 
 from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.tools import bench_l3
-from test_cli import run_cli  # the same in-process runner as the CLI tests
+from test_cli import MASTER, run_cli  # the CLI tests' runner and master config
 
 TINY = (1, 128, 2)
 """1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload
 and 2 x 1 KiB of scales."""
 TINY_PAGE = {"mxfp8": 2 * (32768 + 1024), "payload": 2 * 32768}
-
-
-MASTER = '{"master_server_address": "127.0.0.1:50051"}'
-
-
-def bad(case_id: str, argv: list, *expected: str):
-    return pytest.param(["bench", *argv], expected, id=case_id)
-
-
-BAD_INPUTS = [
-    bad("l3_bogus", ["--l3", "bogus"], "--l3", "'bogus'", "file or mooncake"),
-    bad("l3_refused_backend", ["--l3", "hf3fs"], "--l3", "'hf3fs'"),
-    bad("l3_geometry_8by128", ["--l3", "file", "--geometries", "8by128"], "8by128"),
-    bad("l3_geometry_head_dim", ["--l3", "file", "--geometries", "8x100x4"], "8x100x4"),
-    bad(
-        "l3_two_geometries",
-        ["--l3", "file", "--geometries", "8x128x4,8x128x8"],
-        "--l3 takes one geometry, got 2",
-    ),
-    bad("l3_pages_0", ["--l3", "file", "--pages", "64,0"], "--pages", "64,0"),
-    bad("l3_repeat_0", ["--l3", "file", "--repeat", "0"], "--repeat", "0"),
-    bad(
-        "l3_json_out_no_directory",
-        ["--l3", "file", "--json-out", "/nonexistent/l3.json"],
-        "--json-out",
-    ),
-    bad("l3_with_ablations", ["--l3", "file", "--ablations", "rows128"], "--ablations"),
-    bad(
-        "l3_dir_missing",
-        ["--l3", "file", "--l3-dir", "/nonexistent/dir"],
-        "--l3-dir",
-        "existing directory",
-    ),
-    bad(
-        "l3_dir_with_mooncake",
-        ["--l3", "mooncake", "--l3-dir", lambda tmp: str(tmp)],
-        "--l3-dir is for --l3 file",
-    ),
-    bad("l3_dir_without_l3", ["--l3-dir", lambda tmp: str(tmp)], "--l3-dir needs"),
-    bad(
-        "mooncake_config_not_json",
-        ["--l3", "mooncake", "--mooncake-config", "master=1"],
-        "--mooncake-config",
-        "JSON object",
-        "'master=1'",
-    ),
-    bad(
-        "mooncake_config_not_object",
-        ["--l3", "mooncake", "--mooncake-config", '["127.0.0.1:50051"]'],
-        "--mooncake-config",
-        "JSON object",
-    ),
-    bad(
-        "mooncake_config_multiline",
-        ["--l3", "mooncake", "--mooncake-config", "{\n"],
-        "--mooncake-config",
-    ),
-    bad(
-        "mooncake_config_no_master",
-        ["--l3", "mooncake", "--mooncake-config", '{"protocol": "tcp"}'],
-        "--mooncake-config",
-        "master_server_address",
-    ),
-    bad(
-        "mooncake_config_with_file",
-        ["--l3", "file", "--mooncake-config", MASTER],
-        "--mooncake-config is for --l3 mooncake",
-    ),
-    bad(
-        "mooncake_config_without_l3",
-        ["--mooncake-config", MASTER],
-        "--mooncake-config needs --l3 mooncake",
-    ),
-    bad("no_cuda", ["--l3", "file", "--pages", "64"], "needs a CUDA GPU"),
-]
-
-
-@pytest.mark.parametrize("argv, expected", BAD_INPUTS)
-def test_bad_input_is_one_line(argv, expected, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    argv = [arg(tmp_path) if callable(arg) else arg for arg in argv]
-    code, out, err = run_cli(argv, capsys)
-    assert code == 2, err
-    assert out == ""
-    assert len(err.splitlines()) == 1 and err.endswith("\n"), err
-    assert err.startswith("sglang-mxfp8-hicache bench: error: "), err
-    assert "Traceback" not in err
-    for text in expected:
-        assert text in err, err
 
 
 def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> bench_l3.Report:

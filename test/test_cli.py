@@ -135,6 +135,9 @@ def size(*flags, config=None, device_tokens="1000", **geometry) -> list:
     return argv
 
 
+MASTER = '{"master_server_address": "127.0.0.1:50051"}'
+
+
 def bad(case_id: str, argv: list, *expected: str):
     return pytest.param(argv, expected, id=case_id)
 
@@ -281,6 +284,89 @@ BAD_INPUTS = [
         ["bench", "--ablations", "rows128,nope"],
         "unknown ablation(s) ['nope']",
         "stock",
+    ),
+    # bench --l3 (tools/bench_l3.py; its runs are in test_bench_l3.py)
+    bad("l3_bogus", ["bench", "--l3", "bogus"], "--l3", "'bogus'", "file or mooncake"),
+    bad("l3_refused_backend", ["bench", "--l3", "hf3fs"], "--l3", "'hf3fs'"),
+    bad(
+        "l3_geometry_8by128",
+        ["bench", "--l3", "file", "--geometries", "8by128"],
+        "8by128",
+    ),
+    bad(
+        "l3_geometry_head_dim",
+        ["bench", "--l3", "file", "--geometries", "8x100x4"],
+        "8x100x4",
+    ),
+    bad(
+        "l3_two_geometries",
+        ["bench", "--l3", "file", "--geometries", "8x128x4,8x128x8"],
+        "--l3 takes one geometry, got 2",
+    ),
+    bad("l3_pages_0", ["bench", "--l3", "file", "--pages", "64,0"], "--pages", "64,0"),
+    bad("l3_repeat_0", ["bench", "--l3", "file", "--repeat", "0"], "--repeat", "0"),
+    bad(
+        "l3_json_out_no_directory",
+        ["bench", "--l3", "file", "--json-out", "/nonexistent/l3.json"],
+        "--json-out",
+    ),
+    bad(
+        "l3_with_ablations",
+        ["bench", "--l3", "file", "--ablations", "rows128"],
+        "--ablations",
+    ),
+    bad(
+        "l3_dir_missing",
+        ["bench", "--l3", "file", "--l3-dir", "/nonexistent/dir"],
+        "--l3-dir",
+        "existing directory",
+    ),
+    bad(
+        "l3_dir_with_mooncake",
+        ["bench", "--l3", "mooncake", "--l3-dir", lambda tmp: str(tmp)],
+        "--l3-dir is for --l3 file",
+    ),
+    bad(
+        "l3_dir_without_l3",
+        ["bench", "--l3-dir", lambda tmp: str(tmp)],
+        "--l3-dir needs",
+    ),
+    bad(
+        "mooncake_config_not_json",
+        ["bench", "--l3", "mooncake", "--mooncake-config", "master=1"],
+        "--mooncake-config",
+        "JSON object",
+        "'master=1'",
+    ),
+    bad(
+        "mooncake_config_not_object",
+        ["bench", "--l3", "mooncake", "--mooncake-config", '["127.0.0.1:50051"]'],
+        "--mooncake-config",
+        "JSON object",
+    ),
+    bad(
+        "mooncake_config_multiline",
+        ["bench", "--l3", "mooncake", "--mooncake-config", "{\n"],
+        "--mooncake-config",
+    ),
+    bad(
+        "mooncake_config_no_master",
+        ["bench", "--l3", "mooncake", "--mooncake-config", '{"protocol": "tcp"}'],
+        "--mooncake-config",
+        "master_server_address",
+    ),
+    bad(
+        "mooncake_config_with_file",
+        ["bench", "--l3", "file", "--mooncake-config", MASTER],
+        "--mooncake-config is for --l3 mooncake",
+    ),
+    bad(
+        "mooncake_config_without_l3",
+        ["bench", "--mooncake-config", MASTER],
+        "--mooncake-config needs --l3 mooncake",
+    ),
+    bad(
+        "bench-no_cuda", ["bench", "--l3", "file", "--pages", "64"], "needs a CUDA GPU"
     ),
 ]
 
