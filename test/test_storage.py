@@ -174,6 +174,30 @@ def test_flat_page_is_the_zero_copy_parts_concatenated(make_pools):
 
 
 @on_cpu
+def test_element_size_through_a_host_pool_group(make_pools):
+    """SGLang's HostPoolGroup (what the assemblers build) asks its anchor for the
+    element size; the base class would fail on the nested sizes with int()."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    device_pool, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    group = HostPoolGroup(
+        [
+            PoolEntry(
+                PoolName.KV,
+                host,
+                device_pool,
+                lambda i: i,
+                is_primary_index_anchor=True,
+            )
+        ]
+    )
+    assert group.get_page_buffer_element_size() == sum(host.storage_part_bytes)
+    with pytest.raises(NotImplementedError, match="cannot be split by heads"):
+        group.get_page_buffer_element_size(2)
+
+
+@on_cpu
 def test_flat_page_round_trip_and_wrong_size(make_pools):
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=4)
     fill_host(host, 5)
