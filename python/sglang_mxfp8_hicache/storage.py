@@ -30,8 +30,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-
 logger = logging.getLogger(__name__)
 
 FACTORY_HOOK_TARGET = (
@@ -78,15 +76,6 @@ def storage_refusal(backend: str) -> str | None:
     )
 
 
-def mxfp8_host_pools(host_pool: Any) -> list[MHATokenToKVPoolMXFP8Host]:
-    """Our pools in what SGLang hands a backend: the pool, or a group's entries."""
-    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-
-    entries = getattr(host_pool, "entries", None) or ()
-    pools = [host_pool, *(getattr(e, "host_pool", None) for e in entries)]
-    return [p for p in pools if isinstance(p, MHATokenToKVPoolMXFP8Host)]
-
-
 def guard_storage_backend(
     original: Callable[..., Any],
     factory: type,
@@ -95,25 +84,32 @@ def guard_storage_backend(
     mem_pool_host: Any,
     **kwargs: Any,
 ) -> Any:
-    """AROUND hook on ``StorageBackendFactory.create_backend``."""
-    pools = mxfp8_host_pools(mem_pool_host)
-    reason = storage_refusal(backend_name) if pools else None
-    if reason is not None:
-        from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+    """AROUND hook on ``StorageBackendFactory.create_backend``.
 
-        raise MXFP8HiCacheConfigError(f"{pools[0].pool_label}: MXFP8 HiCache: {reason}")
-    backend = original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
-    if pools:
-        _guard_reads(backend, backend_name)
-        for pool in pools:
-            logger.info(
-                "%s: MXFP8 pages go to L3 backend %r as %s, key tag %r; a stored "
-                "page of another size is a miss.",
-                pool.pool_label,
-                backend_name,
-                pool.describe_storage_page(),
-                pool.storage_format_tag,
-            )
+    SGLang hands the factory the controller's ``storage_host_pool``, the anchor
+    pool itself (never a group): a backend is ours to guard when that is ours.
+    """
+    from sglang_mxfp8_hicache.host_pool import (
+        MHATokenToKVPoolMXFP8Host,
+        MXFP8HiCacheConfigError,
+    )
+
+    if not isinstance(mem_pool_host, MHATokenToKVPoolMXFP8Host):
+        return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
+    pool = mem_pool_host
+    reason = storage_refusal(backend_name)
+    if reason is not None:
+        raise MXFP8HiCacheConfigError(f"{pool.pool_label}: MXFP8 HiCache: {reason}")
+    backend = original(factory, backend_name, storage_config, pool, **kwargs)
+    _guard_reads(backend, backend_name)
+    logger.info(
+        "%s: MXFP8 pages go to L3 backend %r as %s, key tag %r; a stored page of "
+        "another size is a miss.",
+        pool.pool_label,
+        backend_name,
+        pool.describe_storage_page(),
+        pool.storage_format_tag,
+    )
     return backend
 
 
