@@ -34,6 +34,7 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
     fill_random,
+    host_page_rows,
     page_token_indices,
 )
 
@@ -86,17 +87,11 @@ def open_io(backend):
 
 def host_pages(host, pages: torch.Tensor) -> list[torch.Tensor]:
     """Copies of ``pages``' payload and scale bytes, as [side, page, bytes] rows."""
-    rows = [host.kv_buffer.view(torch.uint8).reshape(2, host.page_num, -1)]
-    if isinstance(host, MHATokenToKVPoolMXFP8Host):
-        rows.append(host.scale_host.reshape(2, host.page_num, -1))
-    return [r[:, pages].clone() for r in rows]
+    return [r[:, pages].clone() for r in host_page_rows(host)]
 
 
 def fill_host(host, seed: int) -> None:
-    tensors = [host.kv_buffer]
-    if isinstance(host, MHATokenToKVPoolMXFP8Host):
-        tensors.append(host.scale_host)
-    fill_random(tensors, torch.Generator().manual_seed(seed))
+    fill_random(host_page_rows(host), torch.Generator().manual_seed(seed))
 
 
 class Stored:

@@ -44,7 +44,11 @@ from typing import Any
 import torch
 
 from sglang_mxfp8_hicache.tools.l3 import StoragePageIO, page_hashes
-from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE, page_token_indices
+from sglang_mxfp8_hicache.tools.selfcheck import (
+    PAGE_SIZE,
+    host_page_rows,
+    page_token_indices,
+)
 
 BACKENDS = ("file", "mooncake")
 POOLS = ("mxfp8", "payload")
@@ -128,18 +132,9 @@ def page_bytes(pool: Any) -> int:
     return pool.get_size_per_token() * pool.page_size
 
 
-def _page_rows(pool: Any) -> list[torch.Tensor]:
-    """The pool's host bytes as [side, page, bytes] views: payload, and scales."""
-    rows = [pool.kv_buffer.view(torch.uint8).reshape(2, pool.page_num, -1)]
-    scale_host = getattr(pool, "scale_host", None)
-    if scale_host is not None:
-        rows.append(scale_host.view(torch.uint8).reshape(2, pool.page_num, -1))
-    return rows
-
-
 def fill_random(pool: Any, generator: torch.Generator) -> None:
     """Every host byte random (uniform over 0-255, 8 bytes per draw)."""
-    for rows in _page_rows(pool):
+    for rows in host_page_rows(pool):
         flat = rows.view(-1)
         if flat.numel() % 8 == 0:
             flat.view(torch.int64).random_(
@@ -150,13 +145,13 @@ def fill_random(pool: Any, generator: torch.Generator) -> None:
 
 
 def _poison(pool: Any, pages: torch.Tensor) -> None:
-    for rows in _page_rows(pool):
+    for rows in host_page_rows(pool):
         rows[:, pages] = POISON
 
 
 def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
     """Host pages ``got`` hold the bytes of pages ``put``, payload and scales."""
-    for rows in _page_rows(pool):
+    for rows in host_page_rows(pool):
         for start in range(0, len(got), VERIFY_CHUNK_PAGES):
             chunk = slice(start, start + VERIFY_CHUNK_PAGES)
             if not torch.equal(rows[:, got[chunk]], rows[:, put[chunk]]):

@@ -98,6 +98,16 @@ def device_buffers(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
     return [*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer]
 
 
+def host_page_rows(pool: MHATokenToKVPoolHost) -> list[torch.Tensor]:
+    """A page_first host pool's bytes as (K/V, page, bytes) uint8 views: the
+    payload, then the scale mirror where the pool has one."""
+    rows = [pool.kv_buffer.view(torch.uint8).reshape(2, pool.page_num, -1)]
+    scale_host = getattr(pool, "scale_host", None)
+    if scale_host is not None:
+        rows.append(scale_host.view(torch.uint8).reshape(2, pool.page_num, -1))
+    return rows
+
+
 def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
     for tensor in tensors:
         raw = tensor.view(torch.uint8)
