@@ -93,26 +93,44 @@ def make_pools(device, request):
     kernels = request.getfixturevalue("cpu_kernels") if device == "cpu" else None
     hosts = []
 
-    def make(*, heads, head_dim, layers, pages, host_cls=MHATokenToKVPoolMXFP8Host):
-        device_pool = build_device_pool(
-            head_num=heads,
-            head_dim=head_dim,
-            layer_num=layers,
-            pages=2 * pages + 1,
-            device=device,
-        )
+    def make(
+        *,
+        heads,
+        head_dim,
+        layers,
+        pages,
+        host_cls=MHATokenToKVPoolMXFP8Host,
+        drafts=None,
+    ):
+        """(device pool, host pool); with ``drafts=n``, also the n one-layer draft
+        device pools packed into the host pool (MTP/NextN)."""
+        device_pools = [
+            build_device_pool(
+                head_num=heads,
+                head_dim=head_dim,
+                layer_num=n,
+                pages=2 * pages + 1,
+                device=device,
+            )
+            for n in (layers, *[1] * (drafts or 0))
+        ]
+        device_pool, *draft_pools = device_pools
         if kernels:
-            kernels.pointers.register(device_buffers(device_pool))
+            for pool in device_pools:
+                kernels.pointers.register(device_buffers(pool))
         host = build_host_pool(
             device_pool,
             host_cls,
             host_to_device_ratio=0.75,
             pin_memory=device == "cuda",
+            drafts=draft_pools,
         )
         hosts.append(host)
         if kernels and isinstance(host, MHATokenToKVPoolMXFP8Host):
             kernels.pointers.register([host.scale_host])
-        return device_pool, host
+        if drafts is None:
+            return device_pool, host
+        return device_pool, host, draft_pools
 
     yield make
     for host in hosts:

@@ -149,13 +149,23 @@ def test_refuses_host_page_size_mismatch(cpu_kernels, no_allocation, mxfp8_pool)
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(mxfp8_pool))
 
 
-def test_refuses_draft_layers(cpu_kernels, no_allocation, mxfp8_pool):
+def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
+    """An fp8 draft with no scales passes SGLang's own draft checks; its layers
+    would come back with whatever scales the device holds."""
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     draft = build_device_pool(
-        head_num=2, head_dim=128, layer_num=1, pages=2, device="cpu"
+        head_num=2,
+        head_dim=128,
+        layer_num=1,
+        pages=2,
+        device="cpu",
+        payload_dtype=torch.float8_e4m3fn,
     )
     draft_info = draft.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="drop --speculative-algorithm"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError,
+        match="packed draft layer 0 is not an MXFP8 layer.*--kv-cache-dtype mxfp8",
+    ):
         MHATokenToKVPoolMXFP8Host(
             info,
             2.0,

@@ -63,6 +63,49 @@ def test_round_trip(make_pools, heads, head_dim, layers, pages):
     assert (host.scale_host == 0xFF).any()
 
 
+@pytest.mark.parametrize(
+    "heads, layers, drafts, pages",
+    [(8, 4, 1, 5), (1, 3, 2, 3), (8, 13, 3, 64), (2, 1, 2, 2)],
+    ids=lambda v: str(v),
+)
+def test_round_trip_draft(make_pools, heads, layers, drafts, pages):
+    """Packed MTP/NextN draft layers: backed up with the target's layers in one
+    call, loaded as is_draft after the target layer of their depth, byte-exact."""
+    device_pool, host, draft_pools = make_pools(
+        heads=heads, head_dim=128, layers=layers, pages=pages, drafts=drafts
+    )
+    assert host.layer_num == layers + drafts
+    # Sizing counts every draft layer's payload and scale bytes.
+    assert host.get_size_per_token() == 2 * (layers + drafts) * (
+        heads * 128 + heads * 4
+    )
+    result = round_trip(device_pool, host, pages=pages, seed=pages, drafts=draft_pools)
+    assert_exact(result)
+
+
+def test_draft_scales_load_only_with_is_draft(make_pools):
+    """A non-draft call with a draft's layer id moves nothing (the base class
+    returns early): no scales may move either."""
+    device_pool, host, (draft,) = make_pools(
+        heads=2, head_dim=128, layers=2, pages=2, drafts=1
+    )
+    fill_random(
+        [*draft.k_scale_buffer, *draft.v_scale_buffer],
+        torch.Generator(device=draft.device).manual_seed(3),
+    )
+    scales = [
+        b.view(torch.uint8) for b in (*draft.k_scale_buffer, *draft.v_scale_buffer)
+    ]
+    before = [b.clone() for b in scales]
+    tokens = page_token_indices(torch.tensor([1])).to(device_pool.device)
+    host.load_to_device_per_layer(draft, tokens.cpu(), tokens, 2, IO_BACKEND)
+    assert all(torch.equal(a, b) for a, b in zip(scales, before, strict=True))
+    host.load_to_device_per_layer(
+        draft, tokens.cpu(), tokens, 2, IO_BACKEND, is_draft=True
+    )
+    assert not all(torch.equal(a, b) for a, b in zip(scales, before, strict=True))
+
+
 def test_wide_chunks_are_whole_tokens():
     """7 and 15 heads of 128: a chunk is the first multiple of 512 B, one token."""
     from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry

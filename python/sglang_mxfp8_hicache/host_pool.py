@@ -250,12 +250,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 f"io backend {io_backend!r} is not supported; use "
                 f"--hicache-io-backend {SUPPORTED_IO_BACKEND}."
             )
-        if draft_buffer_infos:
-            raise refuse(
-                f"{len(draft_buffer_infos)} packed draft layer(s) (MTP/NextN "
-                "speculative decoding) are not supported yet; drop "
-                "--speculative-algorithm or --enable-hierarchical-cache."
-            )
         storage_reason = storage_refusal(allocator_type)
         if storage_reason is not None:
             raise refuse(storage_reason)
@@ -270,7 +264,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "device KV rows are strided (a unified KV pool), which the MXFP8 "
                 "device pool never builds; run without --enable-hierarchical-cache."
             )
-        return MXFP8ScaleGeometry.from_device_scales(
+        geometry = MXFP8ScaleGeometry.from_device_scales(
             scales.k[0],
             scales.v[0],
             head_num=buffer_info.head_num,
@@ -278,6 +272,31 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             page_size=buffer_info.page_size,
             min_row_bytes=cls.scale_min_row_bytes,
         )
+        for depth, draft in enumerate(draft_buffer_infos):
+            # Packed MTP/NextN draft layers are tail layers of this pool: their
+            # scales travel in the same host rows, so they must be the same.
+            draft_scales = draft.scales
+            if (
+                draft_scales is None
+                or draft_scales.layout != KVScaleLayout.MXFP8_INTERLEAVED
+                or (draft.head_num, draft.head_dim)
+                != (buffer_info.head_num, buffer_info.head_dim)
+            ):
+                raise refuse(
+                    f"packed draft layer {depth} is not an MXFP8 layer of the "
+                    "target's heads with interleaved scales; give the draft the "
+                    "target's --kv-cache-dtype mxfp8, or drop --speculative-algorithm "
+                    "or --enable-hierarchical-cache."
+                )
+            MXFP8ScaleGeometry.from_device_scales(
+                draft_scales.k[0],
+                draft_scales.v[0],
+                head_num=draft.head_num,
+                head_dim=draft.head_dim,
+                page_size=buffer_info.page_size,
+                min_row_bytes=cls.scale_min_row_bytes,
+            )
+        return geometry
 
     def get_size_per_token(self) -> int:
         return (
@@ -326,11 +345,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         def device_layers(scales: Sequence[torch.Tensor]) -> list[int]:
             return [buf.data_ptr() for buf in scales]
 
+        # Target layers, then packed draft layers, as the base class orders them.
+        infos = self._buffer_infos
         layer_bases = (
             host_layers(self.k_scale_host),
             host_layers(self.v_scale_host),
-            device_layers(buffer_info.scales.k),
-            device_layers(buffer_info.scales.v),
+            device_layers([k for info in infos for k in info.scales.k]),
+            device_layers([v for info in infos for v in info.scales.v]),
         )
 
         def tables(layers: range) -> torch.Tensor:
@@ -339,10 +360,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             return torch.tensor(bases, dtype=torch.uint64, device=device)
 
         # Every layer for a backup; for a load, each group of the target
-        # model's layers, keyed by the layer it is issued with.
+        # model's layers, keyed by the layer it is issued with, and each packed
+        # draft layer alone: its load arrives as is_draft with its own layer id,
+        # after the target layer of its depth.
         self._backup_tables = tables(range(self.layer_num))
         self._load_group_tables = {
             group.start: tables(group) for group in self._load_layer_groups()
+        }
+        self._draft_load_tables = {
+            layer: tables(range(layer, layer + 1))
+            for layer in range(self.target_layer_num, self.layer_num)
         }
         # A chunk's byte offset in its layer is a token index times these
         # strides, on either side.
@@ -399,7 +426,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         """
         self._require_kernel_io(io_backend)
         self._scale_kernel.raise_if_refused()
-        group_tables = self._load_group_tables.get(layer_id)
+        by_layer = self._draft_load_tables if is_draft else self._load_group_tables
+        group_tables = by_layer.get(layer_id)
         if group_tables is not None:
             self._scale_kernel.load(
                 group_tables,

@@ -9,6 +9,7 @@ saved, and every page outside the transfer with what it held before.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,7 +79,10 @@ def build_host_pool(
     *,
     host_to_device_ratio: float,
     pin_memory: bool,
+    drafts: Sequence[MHATokenToKVPoolMXFP8] = (),
 ) -> MHATokenToKVPoolHost:
+    """The host pool SGLang's assembler builds; ``drafts`` are one-layer device
+    pools packed as tail layers (MTP/NextN, ``draft_buffer_infos``)."""
     info = device_pool.get_device_pool_infos()[0].buffer_info
     return host_cls(
         info,
@@ -90,6 +94,9 @@ def build_host_pool(
         device_capacity_tokens=device_pool.size,
         start_layer=device_pool.start_layer,
         end_layer=device_pool.end_layer,
+        draft_buffer_infos=tuple(
+            d.get_device_pool_infos()[0].buffer_info for d in drafts
+        ),
     )
 
 
@@ -149,8 +156,14 @@ def round_trip(
     *,
     pages: int,
     seed: int = 0,
+    drafts: Sequence[MHATokenToKVPoolMXFP8] = (),
 ) -> RoundTripResult:
-    """Back up ``pages`` random device pages, clobber the device, load them elsewhere."""
+    """Back up ``pages`` random device pages, clobber the device, load them elsewhere.
+
+    ``drafts``: the packed draft pools of ``host_pool``. Their layers are backed
+    up by the same call and loaded as SGLang's transfer engine loads them: draft
+    ``d`` (``is_draft``, layer id ``target layers + d``) right after target layer ``d``.
+    """
     device = torch.device(device_pool.device)
     cpu = torch.Generator().manual_seed(seed)
     device_page_num = device_pool.size // PAGE_SIZE  # page 0 is padding
@@ -159,7 +172,12 @@ def round_trip(
         raise ValueError(
             f"{pages} pages do not fit {device_page_num // 2} device / {host_page_num} host pages"
         )
-    device_tensors = device_buffers(device_pool)
+    pools = (device_pool, *drafts)
+    device_tensors = [t for pool in pools for t in device_buffers(pool)]
+    # device_buffers() lists each pool's 2 * layers payload tensors, then its scales.
+    is_scale = [
+        n >= 2 * pool.layer_num for pool in pools for n in range(4 * pool.layer_num)
+    ]
     host_tensors = [host_pool.kv_buffer]
     scale_host = getattr(host_pool, "scale_host", None)
     if scale_host is not None:
@@ -194,15 +212,25 @@ def round_trip(
     host_tokens_dev = host_tokens.to(device)
     _sync(device)
     start = time.perf_counter()
-    for layer_id in range(device_pool.layer_num):
-        host_pool.load_to_device_per_layer(
-            device_pool, host_tokens_dev, dst_tokens, layer_id, IO_BACKEND
-        )
+    target_layers = device_pool.layer_num
+    for layer_id in range(max(target_layers, len(drafts))):
+        if layer_id < target_layers:
+            host_pool.load_to_device_per_layer(
+                device_pool, host_tokens_dev, dst_tokens, layer_id, IO_BACKEND
+            )
+        if layer_id < len(drafts):
+            host_pool.load_to_device_per_layer(
+                drafts[layer_id],
+                host_tokens_dev,
+                dst_tokens,
+                target_layers + layer_id,
+                IO_BACKEND,
+                is_draft=True,
+            )
     _sync(device)
     load_seconds = time.perf_counter() - start
 
     restored = _device_pages(device_pool, device_tensors)
-    payload_n = 2 * device_pool.layer_num
     untouched = torch.ones(device_page_num + 1, dtype=torch.bool)
     untouched[dst_pages] = False
     restored_ok = [
@@ -216,8 +244,12 @@ def round_trip(
     moved = sum(t[0].numel() for t in saved) * pages  # bytes per page, all tensors
     return RoundTripResult(
         pages=pages,
-        payload_restored=all(restored_ok[:payload_n]),
-        scales_restored=all(restored_ok[payload_n:]),
+        payload_restored=all(
+            ok for ok, scale in zip(restored_ok, is_scale, strict=True) if not scale
+        ),
+        scales_restored=all(
+            ok for ok, scale in zip(restored_ok, is_scale, strict=True) if scale
+        ),
         host_untouched=host_untouched,
         device_untouched=device_untouched,
         bytes_per_direction=moved,
