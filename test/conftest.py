@@ -57,6 +57,9 @@ def cpu_kernels(monkeypatch) -> EmulatedKernels:
         mha, "jit_transfer_hicache_one_layer", kernels.transfer_hicache_one_layer
     )
     monkeypatch.setattr(
+        mha, "jit_transfer_hicache_all_layer", kernels.transfer_hicache_all_layer
+    )
+    monkeypatch.setattr(
         mha,
         "jit_transfer_hicache_all_layer_staged_lf_pf",
         kernels.transfer_hicache_all_layer_staged_lf_pf,
@@ -101,6 +104,7 @@ def make_pools(device, request):
         pages,
         host_cls=MHATokenToKVPoolMXFP8Host,
         drafts=None,
+        layout="page_first",
     ):
         """(device pool, host pool); with ``drafts=n``, also the n one-layer draft
         device pools packed into the host pool (MTP/NextN)."""
@@ -124,8 +128,12 @@ def make_pools(device, request):
             host_to_device_ratio=0.75,
             pin_memory=device == "cuda",
             drafts=draft_pools,
+            layout=layout,
         )
         hosts.append(host)
+        if kernels:
+            # layer_first's all-layer kernel reads host layer pointer tables.
+            kernels.pointers.register([host.kv_buffer])
         if kernels and isinstance(host, MHATokenToKVPoolMXFP8Host):
             kernels.pointers.register([host.scale_host])
         if drafts is None:

@@ -119,13 +119,31 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(pool))
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
 def test_refuses_layout(cpu_kernels, no_allocation, mxfp8_pool, layout):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="use --hicache-mem-layout page_first"
+        MXFP8HiCacheConfigError,
+        match="use --hicache-mem-layout page_first or layer_first",
     ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, layout, **_kwargs(mxfp8_pool))
+
+
+def test_refuses_layer_first_with_storage(cpu_kernels, no_allocation, mxfp8_pool):
+    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    with pytest.raises(
+        MXFP8HiCacheConfigError,
+        match="L3 storage of MXFP8 pages needs --hicache-mem-layout page_first",
+    ):
+        MHATokenToKVPoolMXFP8Host(
+            info,
+            2.0,
+            0,
+            128,
+            "layer_first",
+            allocator_type="file",
+            **_kwargs(mxfp8_pool),
+        )
 
 
 def test_refuses_configured_direct_io(

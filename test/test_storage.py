@@ -423,6 +423,18 @@ def test_factory_refuses_backend_by_name(make_pools, storage_hooks, name):
         StoragePageIO.open(name, host)
 
 
+@on_cpu
+def test_factory_refuses_layer_first_pool(make_pools, storage_hooks, tmp_path):
+    """Runtime attach to a layer_first pool: its payload pages are not L3 pages."""
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2, layout="layer_first")
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="needs --hicache-mem-layout page_first"
+    ):
+        StoragePageIO.open(
+            "file", host, extra_config={"file_storage_path": str(tmp_path)}
+        )
+
+
 def test_factory_leaves_other_pools_alone(bf16_host, storage_hooks, tmp_path):
     io = StoragePageIO.open(
         "file", bf16_host, extra_config={"file_storage_path": str(tmp_path)}

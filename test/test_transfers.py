@@ -83,6 +83,27 @@ def test_round_trip_draft(make_pools, heads, layers, drafts, pages):
     assert_exact(result)
 
 
+@pytest.mark.parametrize(
+    "heads, layers, drafts, pages",
+    [(8, 4, 0, 5), (1, 3, 0, 200), (8, 13, 0, 64), (8, 4, 2, 9)],
+    ids=lambda v: str(v),
+)
+def test_round_trip_layer_first(make_pools, heads, layers, drafts, pages):
+    """--hicache-mem-layout layer_first with the kernel io backend: the payload
+    through SGLang's JIT kernels for that layout, the scales as for page_first."""
+    device_pool, host, draft_pools = make_pools(
+        heads=heads,
+        head_dim=128,
+        layers=layers,
+        pages=pages,
+        drafts=drafts,
+        layout="layer_first",
+    )
+    assert host.layout == "layer_first"
+    result = round_trip(device_pool, host, pages=pages, seed=pages, drafts=draft_pools)
+    assert_exact(result)
+
+
 def test_draft_scales_load_only_with_is_draft(make_pools):
     """A non-draft call with a draft's layer id moves nothing (the base class
     returns early): no scales may move either."""

@@ -56,14 +56,18 @@ from sglang.srt.utils import is_cuda, is_hip
 from sglang_mxfp8_hicache import scale_kernel
 from sglang_mxfp8_hicache.geometry import SCALE_ROW_BYTES, MXFP8ScaleGeometry
 from sglang_mxfp8_hicache.scale_kernel import ScaleKernelUnavailable, ScaleRowStrides
-from sglang_mxfp8_hicache.storage import storage_refusal
+from sglang_mxfp8_hicache.storage import NO_STORAGE, storage_refusal
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_LAYOUT = "page_first"
+SUPPORTED_LAYOUTS = ("page_first", "layer_first")
+"""Host payload layouts served with the ``kernel`` io backend: the scale mirror
+has a layout of its own, and SGLang's JIT kernels move either payload layout."""
+STORAGE_LAYOUT = "page_first"
+"""The payload layout of an L3 page (``_storage_rows``)."""
 SUPPORTED_IO_BACKEND = "kernel"
 STORAGE_FORMAT_VERSION = 1
 """Bumped whenever the bytes of a stored page change meaning; it is in the keys."""
@@ -238,11 +242,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 f"{buffer_info.v_head_dim}; no MXFP8 host pool exists for asymmetric "
                 "heads, run without --enable-hierarchical-cache."
             )
-        if layout != SUPPORTED_LAYOUT:
+        if layout not in SUPPORTED_LAYOUTS:
             raise refuse(
                 f"host layout {layout!r} is not supported; use --hicache-mem-layout "
-                f"{SUPPORTED_LAYOUT} with --hicache-io-backend {SUPPORTED_IO_BACKEND} "
-                "(--hicache-io-backend direct turns the layout into page_first_direct)."
+                f"{' or '.join(SUPPORTED_LAYOUTS)} with --hicache-io-backend "
+                f"{SUPPORTED_IO_BACKEND} (--hicache-io-backend direct turns the "
+                "layout into page_first_direct)."
+            )
+        if layout != STORAGE_LAYOUT and allocator_type != NO_STORAGE:
+            raise refuse(
+                f"L3 storage of MXFP8 pages needs --hicache-mem-layout "
+                f"{STORAGE_LAYOUT}, got {layout!r}."
             )
         io_backend = configured_io_backend()
         if io_backend not in (None, SUPPORTED_IO_BACKEND):

@@ -90,6 +90,7 @@ def guard_storage_backend(
     pool itself (never a group): a backend is ours to guard when that is ours.
     """
     from sglang_mxfp8_hicache.host_pool import (
+        STORAGE_LAYOUT,
         MHATokenToKVPoolMXFP8Host,
         MXFP8HiCacheConfigError,
     )
@@ -98,6 +99,11 @@ def guard_storage_backend(
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
     reason = storage_refusal(backend_name)
+    if reason is None and pool.layout != STORAGE_LAYOUT:
+        reason = (
+            f"L3 storage of MXFP8 pages needs --hicache-mem-layout {STORAGE_LAYOUT}, "
+            f"the host pool is {pool.layout!r}"
+        )
     if reason is not None:
         raise MXFP8HiCacheConfigError(f"{pool.pool_label}: MXFP8 HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, pool, **kwargs)

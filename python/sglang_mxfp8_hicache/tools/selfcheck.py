@@ -80,6 +80,7 @@ def build_host_pool(
     host_to_device_ratio: float,
     pin_memory: bool,
     drafts: Sequence[MHATokenToKVPoolMXFP8] = (),
+    layout: str = "page_first",
 ) -> MHATokenToKVPoolHost:
     """The host pool SGLang's assembler builds; ``drafts`` are one-layer device
     pools packed as tail layers (MTP/NextN, ``draft_buffer_infos``)."""
@@ -89,7 +90,7 @@ def build_host_pool(
         host_to_device_ratio,
         0,
         PAGE_SIZE,
-        "page_first",
+        layout,
         pin_memory=pin_memory,
         device_capacity_tokens=device_pool.size,
         start_layer=device_pool.start_layer,
@@ -267,11 +268,28 @@ def _host_untouched(
     """Host pages outside the backup still hold their random bytes."""
     untouched = torch.ones(host_pool.page_num, dtype=torch.bool)
     untouched[host_pages] = False
-    for now, was in zip(host_tensors, before, strict=True):
-        # kv_buffer is (2, tokens, ...) and scale_host is (2, pages, ...): both
-        # become (2, pages, bytes) rows.
-        now_rows = now.view(torch.uint8).reshape(2, host_pool.page_num, -1)
-        was_rows = was.view(torch.uint8).reshape(2, host_pool.page_num, -1)
+    for n, (now, was) in enumerate(zip(host_tensors, before, strict=True)):
+        # host_tensors[0] is kv_buffer: (2, tokens, L, ...) for page_first,
+        # (2, L, tokens, ...) for layer_first; scale_host is (2, pages, ...).
+        layer_major = n == 0 and host_pool.layout == "layer_first"
+        now_rows, was_rows = (_page_rows(host_pool, t, layer_major) for t in (now, was))
         if not torch.equal(now_rows[:, untouched], was_rows[:, untouched]):
             return False
     return True
+
+
+def _page_rows(
+    host_pool: MHATokenToKVPoolHost, tensor: torch.Tensor, layer_major: bool
+) -> torch.Tensor:
+    """A host tensor as (2, pages, bytes)."""
+    raw = tensor.view(torch.uint8)
+    if layer_major:
+        return raw.reshape(2, host_pool.layer_num, host_pool.page_num, -1).transpose(
+            1, 2
+        )
+    return raw.reshape(2, host_pool.page_num, -1)
+    if host_pool.layout == "layer_first":
+        return raw.reshape(2, host_pool.layer_num, host_pool.page_num, -1).transpose(
+            1, 2
+        )
+    return raw.reshape(2, host_pool.page_num, -1)
