@@ -22,6 +22,7 @@ from sglang_mxfp8_hicache.host_pool import (
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.selfcheck import (
     IO_BACKEND,
+    device_buffers,
     fill_random,
     page_token_indices,
     round_trip,
@@ -102,6 +103,65 @@ def test_round_trip_layer_first(make_pools, heads, layers, drafts, pages):
     assert host.layout == "layer_first"
     result = round_trip(device_pool, host, pages=pages, seed=pages, drafts=draft_pools)
     assert_exact(result)
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        [5, 6, 7, 8, 0, 1, 2, 3, 4],  # starts in the middle of a group
+        [8, 7, 6, 5, 4, 3, 2, 1, 0],
+        [3, 0, 8, 1, 6, 2, 7, 5, 4],
+    ],
+    ids=["hybrid_swa-from_middle", "reversed", "shuffled"],
+)
+def test_round_trip_any_layer_order(make_pools, order):
+    """A hybrid pool's layer mapper decides which of its layers a transfer
+    loads first: in any order, a layer's scales are on the device when its
+    payload load has been issued (checked after every call), and the whole
+    transfer, drafts interleaved as SGLang does, is byte-exact."""
+    device_pool, host, draft_pools = make_pools(
+        heads=4, head_dim=128, layers=9, pages=6, drafts=2
+    )
+    result = round_trip(
+        device_pool, host, pages=6, seed=11, drafts=draft_pools, layer_order=order
+    )
+    assert_exact(result)
+    dev = device_pool.device
+    src = page_token_indices(torch.tensor([1, 2])).to(dev)
+    dst = page_token_indices(torch.tensor([3, 4])).to(dev)
+    host_tokens = page_token_indices(torch.tensor([4, 0]))
+    host.backup_from_device_all_layer(device_pool, host_tokens, src, IO_BACKEND)
+    scales = [b.view(torch.uint8) for b in device_pool.k_scale_buffer]
+    expected = [b[1:3].clone() for b in scales]
+    for b in scales:
+        b[3:5] = 0
+    host_dev = host_tokens.to(dev)
+    for layer in order:
+        host.load_to_device_per_layer(device_pool, host_dev, dst, layer, IO_BACKEND)
+        assert torch.equal(scales[layer][3:5], expected[layer]), f"layer {layer}"
+
+
+def test_same_indices_twice_are_two_transfers(make_pools):
+    """A second load with the very same index tensors (a layer seen again) is a
+    new transfer: it moves every group's scales again."""
+    device_pool, host = make_pools(heads=4, head_dim=128, layers=5, pages=3)
+    result = round_trip(device_pool, host, pages=3, seed=5)
+    assert_exact(result)
+    gen = torch.Generator(device=device_pool.device).manual_seed(6)
+    fill_random(device_buffers(device_pool), gen)
+    src = page_token_indices(torch.tensor([1, 2, 3])).to(device_pool.device)
+    host_tokens = page_token_indices(torch.tensor([0, 1, 2]))
+    host.backup_from_device_all_layer(device_pool, host_tokens, src, IO_BACKEND)
+    expected = [b.view(torch.uint8)[1:4].clone() for b in device_pool.k_scale_buffer]
+    dst = page_token_indices(torch.tensor([4, 5, 6])).to(device_pool.device)
+    host_dev = host_tokens.to(device_pool.device)
+    for _ in range(2):
+        for buf in device_pool.k_scale_buffer:
+            buf.view(torch.uint8)[4:7] = 0
+        for layer in range(device_pool.layer_num):
+            host.load_to_device_per_layer(device_pool, host_dev, dst, layer, IO_BACKEND)
+        restored = [b.view(torch.uint8)[4:7] for b in device_pool.k_scale_buffer]
+        assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
 
 
 def test_draft_scales_load_only_with_is_draft(make_pools):

@@ -24,8 +24,10 @@ token index of the transfer itself, so no index is prepared on the CPU:
          any byte moves; host indices on the CPU (the staged write-back) or
          on the GPU (without it)
     H2D  layers in doubling groups (0 | 1 | 2-3 | 4-7 | ...), each group's
-         scales issued with its first layer: layer 0 waits for its own scales
-         only, and a load of L layers costs 1 + ceil(log2 L) launches
+         scales issued with the first of its layers the transfer loads (the
+         first in order from layer 0): layer 0 waits for its own scales only,
+         and a load of L layers costs 1 + ceil(log2 L) launches; a packed
+         draft layer's scales come with its own is_draft load
 
 The payload moves through the base class unchanged.
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -94,6 +97,17 @@ def doubling_layer_groups(layer_num: int) -> list[range]:
     layer 0), for 1 + ceil(log2 L) launches instead of one per layer."""
     starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
     return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
+
+
+@dataclass
+class _LoadProgress:
+    """What one load transfer has issued so far: its target layers and the
+    layer groups whose scales are on their way."""
+
+    host_indices: torch.Tensor | None
+    device_indices: torch.Tensor | None
+    layers: set[int] = field(default_factory=set)
+    groups: set[int] = field(default_factory=set)
 
 
 class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
@@ -374,9 +388,12 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         # draft layer alone: its load arrives as is_draft with its own layer id,
         # after the target layer of its depth.
         self._backup_tables = tables(range(self.layer_num))
-        self._load_group_tables = {
-            group.start: tables(group) for group in self._load_layer_groups()
+        groups = self._load_layer_groups()
+        self._load_group_tables = [tables(group) for group in groups]
+        self._load_group_of = {
+            layer: n for n, group in enumerate(groups) for layer in group
         }
+        self._load_progress = _LoadProgress(None, None)
         self._draft_load_tables = {
             layer: tables(range(layer, layer + 1))
             for layer in range(self.target_layer_num, self.layer_num)
@@ -427,17 +444,18 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         *,
         is_draft: bool = False,
     ) -> None:
-        """Payload per layer as the base class does; scales per layer group.
-
-        SGLang's transfer engine loads a transfer's layers in order from 0 (the
-        layer-done events the attention layers wait on count up), so a group's
-        scales, issued before the payload of its first layer, are on the device
-        before any of its layers' events (see ``doubling_layer_groups``).
-        """
+        """Payload per layer as the base class does; scales per layer group,
+        issued with the first of the group's layers that the transfer loads
+        (``_target_load_tables``), so they are on the device before any of
+        the group's payload, whatever order the layer mapper gives."""
         self._require_kernel_io(io_backend)
         self._scale_kernel.raise_if_refused()
-        by_layer = self._draft_load_tables if is_draft else self._load_group_tables
-        group_tables = by_layer.get(layer_id)
+        if is_draft:
+            group_tables = self._draft_load_tables.get(layer_id)
+        else:
+            group_tables = self._target_load_tables(
+                layer_id, host_indices, device_indices
+            )
         if group_tables is not None:
             self._scale_kernel.load(
                 group_tables,
@@ -454,6 +472,37 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             io_backend,
             is_draft=is_draft,
         )
+
+    def _target_load_tables(
+        self, layer_id: int, host_indices, device_indices
+    ) -> torch.Tensor | None:
+        """The tables of ``layer_id``'s group if this transfer has not issued
+        them yet, else None.
+
+        SGLang's engine walks transfer layer ids 0, 1, ... and each pool's
+        layer mapper turns them into its own layer ids; a hybrid pool's layers
+        start wherever its first mapped layer is. So no order is assumed: a
+        transfer is one pair of index tensors (one ``L2Transfer``, the same
+        objects for all its layers; kept referenced here, so a later pair
+        cannot reuse their identity), and a layer seen again begins a new
+        transfer. In ascending order from layer 0 this issues each group with
+        its first layer (``doubling_layer_groups``).
+        """
+        group = self._load_group_of.get(layer_id)
+        if group is None:  # a draft layer id without is_draft: no payload either
+            return None
+        progress = self._load_progress
+        if (
+            progress.host_indices is not host_indices
+            or progress.device_indices is not device_indices
+            or layer_id in progress.layers
+        ):
+            progress = self._load_progress = _LoadProgress(host_indices, device_indices)
+        progress.layers.add(layer_id)
+        if group in progress.groups:
+            return None
+        progress.groups.add(group)
+        return self._load_group_tables[group]
 
     def destroy(self) -> None:
         if not getattr(self, "_destroyed", False) and self.scale_host is not None:

@@ -1,8 +1,8 @@
 """Side-by-side timing of HiCache host pools on one GPU, in one process.
 
-For each geometry (KV heads x head_dim x layers, page_size 128) and batch of
-pages, both directions are timed with CUDA events (warm-up, then the median of
-``repeat`` runs) for:
+For each geometry (KV heads x head_dim x layers, page_size 128), setup and
+batch of pages, both directions are timed with CUDA events (warm-up, then the
+median of ``repeat`` runs) for:
 
 - ``ours``: :class:`MHATokenToKVPoolMXFP8Host`;
 - ``sglang``: SGLang's own MXFP8 host pool, when the installed SGLang has one;
@@ -17,6 +17,19 @@ SGLang's controller hands them to a pool with the staged write-back; a load is
 one ``load_to_device_per_layer`` call per layer with GPU indices, as SGLang's
 transfer engine makes them. For a load the bench also records when layer 0's
 work completes: the event SGLang's forward pass waits on before layer 0.
+
+Setups (:class:`Setup`), each with host pools of its own:
+
+- ``page_first``: the host layout SGLang's MXFP8 class serves (the default);
+- ``draft``: ``page_first`` with packed MTP/NextN draft layers: one-layer draft
+  device pools of the target's heads packed as tail layers of every host pool
+  (``draft_buffer_infos``). The backup covers them; a load issues draft depth
+  ``d`` with ``is_draft`` right after target layer ``d``, in the same loop, as
+  SGLang's ``HybridCacheController`` does (:func:`draft_depths_after`);
+- ``layer_first``: host payload in ``--hicache-mem-layout layer_first``.
+
+A class that refuses a setup (SGLang's MXFP8 class takes neither packed drafts
+nor ``layer_first``) gets ``None`` for its cells: "refused" in the tables.
 """
 
 from __future__ import annotations
@@ -49,6 +62,34 @@ MAX_POOL_BYTES = 10 * 2**30
 BACKUP_GOALS = ((64, 1.04), (1, 1.15))
 LOAD_GOALS = ((64, 1.05), (16, 1.25), (1, 1.5))
 LAYER0_GOALS = ((64, 1.10),)
+SETUPS = ("page_first", "draft", "layer_first")
+DEFAULT_DRAFTS = 1
+"""Draft layers of the ``draft`` setup: one, as DeepSeek-V3's MTP module."""
+REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the host pools are built: their payload ``layout`` and ``drafts``,
+    one-layer draft device pools packed as tail layers."""
+
+    name: str = "page_first"
+    layout: str = "page_first"
+    drafts: int = 0
+
+
+def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
+    """The setups of :data:`SETUPS` by name, in the order given; ``drafts`` is
+    the draft layer count of ``draft``."""
+    known = {
+        "page_first": Setup(),
+        "draft": Setup("draft", drafts=drafts),
+        "layer_first": Setup("layer_first", layout="layer_first"),
+    }
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown setup(s) {unknown}; known: {list(SETUPS)}")
+    return [known[name] for name in dict.fromkeys(names)]
 
 
 @dataclass
@@ -58,17 +99,29 @@ class Row:
     layers: int
     pages: int
     direction: str
-    ms: dict[str, float]
-    layer0_ms: dict[str, float] = field(default_factory=dict)
+    ms: dict[str, float | None]
+    """Per column; None where the column's class refused the setup."""
+    layer0_ms: dict[str, float | None] = field(default_factory=dict)
     """Loads: time until layer 0's work is done, per column."""
+    setup: str = "page_first"
+    drafts: int = 0
+    """Packed draft layers beside the ``layers`` target layers."""
 
     @property
     def geometry(self) -> str:
         return f"{self.heads}x{self.head_dim}x{self.layers}"
 
+    @property
+    def setup_label(self) -> str:
+        return f"{self.setup}({self.drafts})" if self.drafts else self.setup
+
+    @property
+    def refused(self) -> list[str]:
+        return [name for name, ms in self.ms.items() if ms is None]
+
     def ratio(self, name: str, to: str = "payload", *, layer0: bool = False):
         ms = self.layer0_ms if layer0 else self.ms
-        if name not in ms or to not in ms:
+        if ms.get(name) is None or ms.get(to) is None:
             return None
         return ms[name] / ms[to]
 
@@ -148,22 +201,32 @@ def _time_all(
     return median, median0
 
 
+def draft_depths_after(layer: int, layers: int, drafts: int) -> list[int]:
+    """The draft depths SGLang loads right after target ``layer``: depth ``d``
+    after layer ``min(d, layers - 1)`` (``HybridCacheController._l2_load_transfers``),
+    so drafts deeper than the target model follow its last layer."""
+    return [depth for depth in range(drafts) if min(depth, layers - 1) == layer]
+
+
 def _transfers(
     device_pool,
+    drafts: Sequence,
     hosts: dict,
     pages: int,
-    layers: int,
     bytes_per_page: int,
     gen: torch.Generator,
 ) -> dict[str, dict[str, Transfer]]:
-    """One backup and one all-layer load per pool, over the same random pages."""
+    """One backup and one all-layer load per pool, over the same random pages;
+    ``drafts``: the draft device pools packed into every host pool."""
+    device = device_pool.device
+    layers = device_pool.layer_num
     device_pages = torch.randperm(device_pool.size // PAGE_SIZE, generator=gen) + 1
     host_pages = torch.randperm(hosts["payload"].page_num, generator=gen)
-    device_tokens = page_token_indices(device_pages[:pages]).cuda()
+    device_tokens = page_token_indices(device_pages[:pages]).to(device)
     host_tokens = page_token_indices(host_pages[:pages])
-    host_tokens_gpu = host_tokens.cuda()
-    raw_device = torch.empty(pages * bytes_per_page, dtype=torch.uint8, device="cuda")
-    raw_host = torch.empty_like(raw_device, device="cpu", pin_memory=True)
+    host_tokens_gpu = host_tokens.to(device)
+    raw_device = torch.empty(pages * bytes_per_page, dtype=torch.uint8, device=device)
+    raw_host = torch.empty_like(raw_device, device="cpu", pin_memory=raw_device.is_cuda)
 
     def backup(host) -> Transfer:
         return lambda mark: host.backup_from_device_all_layer(
@@ -176,6 +239,15 @@ def _transfers(
                 host.load_to_device_per_layer(
                     device_pool, host_tokens_gpu, device_tokens, layer, IO_BACKEND
                 )
+                for depth in draft_depths_after(layer, layers, len(drafts)):
+                    host.load_to_device_per_layer(
+                        drafts[depth],
+                        host_tokens_gpu,
+                        device_tokens,
+                        layers + depth,
+                        IO_BACKEND,
+                        is_draft=True,
+                    )
                 if layer == 0:
                     mark()
 
@@ -209,8 +281,11 @@ def bytes_per_page(heads: int, head_dim: int, layers: int) -> int:
     return 2 * layers * PAGE_SIZE * heads * (head_dim + head_dim // 32)
 
 
-def pages_that_fit(geometry: tuple[int, int, int], pages_list) -> tuple[int, ...]:
-    page_bytes = bytes_per_page(*geometry)
+def pages_that_fit(
+    geometry: tuple[int, int, int], pages_list, drafts: int = 0
+) -> tuple[int, ...]:
+    heads, head_dim, layers = geometry
+    page_bytes = bytes_per_page(heads, head_dim, layers + drafts)
     return tuple(p for p in pages_list if p * page_bytes <= MAX_POOL_BYTES)
 
 
@@ -222,34 +297,64 @@ def bench_geometry(
     warmup: int,
     repeat: int,
     progress: Callable[[], None],
+    setup: Setup = Setup(),
+    device: str = "cuda",
 ) -> list[Row]:
+    """``device``: cuda; cpu only where the tests emulate the kernels (and
+    stand in for :func:`_time_all`, which times with CUDA events)."""
     heads, head_dim, layers = geometry
-    device_pool = build_device_pool(
-        head_num=heads,
-        head_dim=head_dim,
-        layer_num=layers,
-        pages=max(pages_list),
-        device="cuda",
-    )
-    hosts = {
-        name: build_host_pool(
-            device_pool, cls, host_to_device_ratio=1.0, pin_memory=True
+    device_pool, *drafts = (
+        build_device_pool(
+            head_num=heads,
+            head_dim=head_dim,
+            layer_num=layer_num,
+            pages=max(pages_list),
+            device=device,
         )
-        for name, cls in classes.items()
-    }
+        for layer_num in (layers, *[1] * setup.drafts)
+    )
+    hosts: dict[str, object | None] = {}
     rows = []
     try:
+        for name, cls in classes.items():
+            try:
+                hosts[name] = build_host_pool(
+                    device_pool,
+                    cls,
+                    host_to_device_ratio=1.0,
+                    pin_memory=device == "cuda",
+                    drafts=drafts,
+                    layout=setup.layout,
+                )
+            except NotImplementedError:  # SGLang's way to refuse a setup
+                hosts[name] = None
+        live = {name: host for name, host in hosts.items() if host is not None}
+        page_bytes = bytes_per_page(heads, head_dim, layers + setup.drafts)
         gen = torch.Generator().manual_seed(0)
         for pages in pages_list:
             for direction, fns in _transfers(
-                device_pool, hosts, pages, layers, bytes_per_page(*geometry), gen
+                device_pool, drafts, live, pages, page_bytes, gen
             ).items():
-                ms, layer0_ms = _time_all(fns, warmup=warmup, repeat=repeat)
-                rows.append(Row(*geometry, pages, direction, ms, layer0_ms))
+                ms, layer0 = _time_all(fns, warmup=warmup, repeat=repeat)
+                # Every column in table order, None where its class refused.
+                ms = {name: ms.get(name) for name in [*hosts, "raw"]}
+                layer0 = {name: layer0.get(name) for name in hosts} if layer0 else {}
+                rows.append(
+                    Row(
+                        *geometry,
+                        pages,
+                        direction,
+                        ms,
+                        layer0,
+                        setup.name,
+                        setup.drafts,
+                    )
+                )
                 progress()
     finally:
         for host in hosts.values():
-            host.destroy()
+            if host is not None:
+                host.destroy()
     return rows
 
 
@@ -258,20 +363,26 @@ def run(
     pages_list: Sequence[int] = PAGES,
     *,
     classes: dict[str, type] | None = None,
+    setups: Sequence[Setup] = (Setup(),),
     warmup: int = 3,
     repeat: int = 20,
+    device: str = "cuda",
 ) -> list[Row]:
-    """Every geometry at every batch that fits :data:`MAX_POOL_BYTES`."""
+    """Every geometry in every setup at every batch that fits :data:`MAX_POOL_BYTES`."""
     classes = classes or host_classes()
-    plan = [(g, pages_that_fit(g, pages_list)) for g in geometries]
+    plan = [
+        (g, s, pages_that_fit(g, pages_list, s.drafts))
+        for g in geometries
+        for s in setups
+    ]
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm ships with sglang
         tqdm = None
-    total = sum(2 * len(pages) for _, pages in plan)
+    total = sum(2 * len(pages) for _, _, pages in plan)
     bar = tqdm(total=total, desc="bench", unit="case") if tqdm else None
     rows = []
-    for geometry, pages in plan:
+    for geometry, setup, pages in plan:
         if not pages:
             continue
         rows += bench_geometry(
@@ -281,6 +392,8 @@ def run(
             warmup=warmup,
             repeat=repeat,
             progress=(bar.update if bar else lambda: None),
+            setup=setup,
+            device=device,
         )
         torch.cuda.empty_cache()
     if bar:
@@ -292,17 +405,22 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _cell(ms: dict[str, float | None], name: str) -> str:
+    return REFUSED if name in ms and ms[name] is None else _fmt(ms.get(name))
+
+
 def table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Whole transfers, both directions."""
     names = list(dict.fromkeys(name for r in rows for name in r.ms))
-    headers = ["KVxDxL", "pages", "dir", *(f"{n} ms" for n in names)]
+    headers = ["setup", "KVxDxL", "pages", "dir", *(f"{n} ms" for n in names)]
     headers += ["ours/payload", "sglang/payload", "ours/sglang", "goal", "met"]
     body = [
         [
+            r.setup_label,
             r.geometry,
             str(r.pages),
             r.direction,
-            *(_fmt(r.ms.get(n)) for n in names),
+            *(_cell(r.ms, n) for n in names),
             _fmt(r.ratio("ours")),
             _fmt(r.ratio("sglang")),
             _fmt(r.ratio("ours", "sglang")),
@@ -318,13 +436,14 @@ def layer0_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Loads: time until layer 0's work is done."""
     loads = [r for r in rows if r.layer0_ms]
     names = list(dict.fromkeys(name for r in loads for name in r.layer0_ms))
-    headers = ["KVxDxL", "pages", *(f"{n} L0 ms" for n in names)]
+    headers = ["setup", "KVxDxL", "pages", *(f"{n} L0 ms" for n in names)]
     headers += ["ours/payload", "ours/sglang", "goal", "met"]
     body = [
         [
+            r.setup_label,
             r.geometry,
             str(r.pages),
-            *(_fmt(r.layer0_ms.get(n)) for n in names),
+            *(_cell(r.layer0_ms, n) for n in names),
             _fmt(r.ratio("ours", layer0=True)),
             _fmt(r.ratio("ours", "sglang", layer0=True)),
             "<=sglang"
@@ -346,6 +465,7 @@ def to_json(rows: list[Row]) -> str:
             "rows": [
                 {
                     **asdict(r),
+                    "refused": r.refused,
                     "goal": r.goal(),
                     "layer0_goal": r.goal(layer0=True) if r.layer0_ms else None,
                     "met": r.meets_goal(),

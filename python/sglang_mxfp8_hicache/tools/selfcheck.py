@@ -158,12 +158,15 @@ def round_trip(
     pages: int,
     seed: int = 0,
     drafts: Sequence[MHATokenToKVPoolMXFP8] = (),
+    layer_order: Sequence[int] | None = None,
 ) -> RoundTripResult:
     """Back up ``pages`` random device pages, clobber the device, load them elsewhere.
 
     ``drafts``: the packed draft pools of ``host_pool``. Their layers are backed
     up by the same call and loaded as SGLang's transfer engine loads them: draft
-    ``d`` (``is_draft``, layer id ``target layers + d``) right after target layer ``d``.
+    ``d`` (``is_draft``, layer id ``target layers + d``) right after the
+    ``d``-th target layer load. ``layer_order``: the target layers in load
+    order (default ascending), as a hybrid pool's layer mapper may give them.
     """
     device = torch.device(device_pool.device)
     cpu = torch.Generator().manual_seed(seed)
@@ -214,17 +217,20 @@ def round_trip(
     _sync(device)
     start = time.perf_counter()
     target_layers = device_pool.layer_num
-    for layer_id in range(max(target_layers, len(drafts))):
-        if layer_id < target_layers:
+    order = list(range(target_layers) if layer_order is None else layer_order)
+    if sorted(order) != list(range(target_layers)):
+        raise ValueError(f"layer_order {order} is not a permutation of the layers")
+    for step in range(max(target_layers, len(drafts))):
+        if step < target_layers:
             host_pool.load_to_device_per_layer(
-                device_pool, host_tokens_dev, dst_tokens, layer_id, IO_BACKEND
+                device_pool, host_tokens_dev, dst_tokens, order[step], IO_BACKEND
             )
-        if layer_id < len(drafts):
+        if step < len(drafts):
             host_pool.load_to_device_per_layer(
-                drafts[layer_id],
+                drafts[step],
                 host_tokens_dev,
                 dst_tokens,
-                target_layers + layer_id,
+                target_layers + step,
                 IO_BACKEND,
                 is_draft=True,
             )
@@ -284,11 +290,6 @@ def _page_rows(
     """A host tensor as (2, pages, bytes)."""
     raw = tensor.view(torch.uint8)
     if layer_major:
-        return raw.reshape(2, host_pool.layer_num, host_pool.page_num, -1).transpose(
-            1, 2
-        )
-    return raw.reshape(2, host_pool.page_num, -1)
-    if host_pool.layout == "layer_first":
         return raw.reshape(2, host_pool.layer_num, host_pool.page_num, -1).transpose(
             1, 2
         )
