@@ -412,3 +412,93 @@ class EmulatedKernels:
             src_rows = _bytes(src.view(-1, element_dim))
             dst_rows = _bytes(dst.view(-1, element_dim))
             dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
+
+
+def install_emulation(monkeypatch) -> EmulatedKernels:
+    """SGLang's JIT HiCache kernels and ours replaced by the emulations above.
+
+    Patched where they are looked up: our scale_kernel module, hicache.py and the
+    aliases mha.py imported, and the platform gate that lets the base class
+    enable its staged write-back.
+    """
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.pool_host import mha
+
+    from sglang_mxfp8_hicache import host_pool
+
+    kernels = EmulatedKernels(PointerMap())
+    monkeypatch.setattr(scale_kernel, "scale_rows_module", kernels.scale_rows_module)
+    for name in (
+        "can_use_hicache_jit_kernel",
+        "can_use_write_back_jit_kernel",
+        "transfer_hicache_one_layer",
+        "transfer_hicache_all_layer",
+        "transfer_hicache_all_layer_staged_lf_pf",
+        "_jit_hicache_module",
+    ):
+        monkeypatch.setattr(hicache_jit, name, getattr(kernels, name))
+    for name in ("can_use_hicache_jit_kernel", "can_use_write_back_jit_kernel"):
+        monkeypatch.setattr(mha, name, getattr(kernels, name))
+    for name in (
+        "transfer_hicache_one_layer",
+        "transfer_hicache_all_layer",
+        "transfer_hicache_all_layer_staged_lf_pf",
+    ):
+        monkeypatch.setattr(mha, f"jit_{name}", getattr(kernels, name))
+    platform = SimpleNamespace(
+        capabilities=SimpleNamespace(hicache_device_kernels=True)
+    )
+    monkeypatch.setattr(mha, "current_platform", platform)
+    monkeypatch.setattr(mha, "_is_cuda", True)
+    monkeypatch.setattr(host_pool, "current_platform", platform)
+    return kernels
+
+
+def install_stack_emulation(monkeypatch) -> EmulatedKernels:
+    """``install_emulation`` for whole stacks that SGLang's assembler builds
+    (``tools.e2e`` on the CPU): every MXFP8 device pool and host pool
+    registers its buffers with the pointer map as it is built, and pinned
+    host memory is plain memory (no cudaHostRegister on a CPU-only torch)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.pool_host import base, common
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from sglang_mxfp8_hicache import host_pool
+    from sglang_mxfp8_hicache.tools.selfcheck import device_buffers
+
+    kernels = install_emulation(monkeypatch)
+    for module in (common, base, host_pool):
+        for name in ("_cuda_host_register", "_cuda_host_unregister"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
+
+    def registering(init, buffers):
+        def wrapped(self, *args, **kwargs):
+            result = init(self, *args, **kwargs)
+            kernels.pointers.register(buffers(self, result))
+            return result
+
+        return wrapped
+
+    monkeypatch.setattr(
+        MHATokenToKVPoolMXFP8,
+        "__init__",
+        registering(
+            MHATokenToKVPoolMXFP8.__init__, lambda pool, _: device_buffers(pool)
+        ),
+    )
+    monkeypatch.setattr(
+        MHATokenToKVPoolHost,
+        "init_kv_buffer",
+        registering(MHATokenToKVPoolHost.init_kv_buffer, lambda _, kv: [kv]),
+    )
+    monkeypatch.setattr(
+        host_pool.MHATokenToKVPoolMXFP8Host,
+        "init_kv_buffer",
+        registering(
+            host_pool.MHATokenToKVPoolMXFP8Host.init_kv_buffer,
+            lambda pool, _: [pool.scale_host],
+        ),
+    )
+    return kernels

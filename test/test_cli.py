@@ -285,6 +285,20 @@ BAD_INPUTS = [
         "unknown ablation(s) ['nope']",
         "stock",
     ),
+    bad(
+        "bench_setup_unknown",
+        ["bench", "--setup", "draft", "--setup", "page_first,nope"],
+        "--setup",
+        "['nope']",
+        "layer_first",
+    ),
+    bad("bench_setup_empty", ["bench", "--setup", ","], "--setup", "','"),
+    bad("bench_drafts_0", ["bench", "--setup", "draft", "--drafts", "0"], "--drafts"),
+    bad(
+        "bench_drafts_without_draft_setup",
+        ["bench", "--setup", "layer_first", "--drafts", "2"],
+        "--drafts needs --setup draft",
+    ),
     # bench --l3 (tools/bench_l3.py; its runs are in test_bench_l3.py)
     bad("l3_bogus", ["bench", "--l3", "bogus"], "--l3", "'bogus'", "file or mooncake"),
     bad("l3_refused_backend", ["bench", "--l3", "hf3fs"], "--l3", "'hf3fs'"),
@@ -314,6 +328,12 @@ BAD_INPUTS = [
         "l3_with_ablations",
         ["bench", "--l3", "file", "--ablations", "rows128"],
         "--ablations",
+    ),
+    bad(
+        "l3_with_setup_draft",
+        ["bench", "--l3", "file", "--setup", "draft"],
+        "--setup",
+        "not with --l3",
     ),
     bad(
         "l3_dir_missing",
@@ -413,7 +433,13 @@ def test_help_lists_every_command(capsys):
     assert code == 0 and "--e2e" in out
     code, out, _ = run_cli(["bench", "--help"], capsys)
     assert code == 0
-    for flag in ("--l3 BACKEND", "--l3-dir", "--mooncake-config"):
+    for flag in (
+        "--l3 BACKEND",
+        "--l3-dir",
+        "--mooncake-config",
+        "--setup",
+        "--drafts",
+    ):
         assert flag in out
 
 
@@ -443,10 +469,11 @@ def fake_bench(monkeypatch) -> SimpleNamespace:
     returns one row per entry of ``met``."""
     from sglang_mxfp8_hicache.tools import bench
 
-    fake = SimpleNamespace(bench=bench, calls=[], met=[True])
+    fake = SimpleNamespace(bench=bench, calls=[], setups=[], met=[True])
 
-    def run(geometries, pages, *, classes, warmup, repeat):
+    def run(geometries, pages, *, classes, setups, warmup, repeat):
         fake.calls.append((geometries, pages, warmup, repeat))
+        fake.setups.append(setups)
         return [FakeRow(met) for met in fake.met]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -488,6 +515,47 @@ def test_bench_arguments_reach_run(fake_bench, tmp_path, capsys):
     assert run_cli(["bench", "--warmup", "0", "--repeat", "5"], capsys)[0] == 0
     bench = fake_bench.bench
     assert fake_bench.calls[-1] == (bench.GEOMETRIES, bench.PAGES, 0, 5)
+    # Today's bench unless --setup says otherwise: page_first, no drafts.
+    assert fake_bench.setups == [[bench.Setup()]] * 2
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        pytest.param(
+            ["--setup", "draft"],
+            [("draft", "page_first", "DEFAULT")],
+            id="draft_default_drafts",
+        ),
+        pytest.param(
+            ["--setup", "draft", "--drafts", "3"],
+            [("draft", "page_first", 3)],
+            id="draft_3",
+        ),
+        pytest.param(
+            ["--setup", "layer_first"],
+            [("layer_first", "layer_first", 0)],
+            id="layer_first",
+        ),
+        pytest.param(
+            ["--setup", "page_first,draft", "--setup", "layer_first,draft"],
+            [
+                ("page_first", "page_first", 0),
+                ("draft", "page_first", "DEFAULT"),
+                ("layer_first", "layer_first", 0),
+            ],
+            id="page_first_draft_layer_first_comma_and_repeated",
+        ),
+    ],
+)
+def test_bench_setups_reach_run(flags, expected, fake_bench, capsys):
+    """--setup, comma separated or repeated, in the order given, each once."""
+    assert run_cli(["bench", *flags], capsys)[0] == 0
+    default = fake_bench.bench.DEFAULT_DRAFTS
+    assert [(s.name, s.layout, s.drafts) for s in fake_bench.setups[-1]] == [
+        (name, layout, default if drafts == "DEFAULT" else drafts)
+        for name, layout, drafts in expected
+    ]
 
 
 def test_check_command():

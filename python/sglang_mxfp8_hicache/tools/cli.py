@@ -3,7 +3,8 @@
 - ``check [--json] [--e2e]``: plugin, hook and dispatch, sizing and, on CUDA, a
   round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache controller);
 - ``size``: host-tier bytes and tokens per rank, with and without the scales;
-- ``bench [--check]``: host pool transfer times on one CUDA GPU;
+- ``bench [--check] [--setup page_first,draft,layer_first]``: host pool
+  transfer times on one CUDA GPU;
   ``bench --l3 file|mooncake``: L3 put and get of MXFP8 pages against
   payload-only pages (``tools/bench_l3.py``).
 
@@ -398,12 +399,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
         )
+    names = [name for group in args.setup or [("page_first",)] for name in group]
+    if args.drafts is not None and "draft" not in names:
+        raise UsageError("--drafts needs --setup draft")
+    try:
+        setups = bench.setups(names, args.drafts or bench.DEFAULT_DRAFTS)
+    except ValueError as exc:
+        raise UsageError(f"--setup: {exc}") from None
     if not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (the JIT transfer kernels)")
     rows = bench.run(
         args.geometries or bench.GEOMETRIES,
         args.pages or bench.PAGES,
         classes=bench.host_classes(args.ablations),
+        setups=setups,
         warmup=warmup,
         repeat=repeat,
     )
@@ -437,6 +446,8 @@ def cmd_bench_l3(args: argparse.Namespace) -> int:
     that L3 loses or changes exit 1."""
     if args.ablations:
         raise UsageError("--ablations undo choices of the L2 transfers; not with --l3")
+    if args.setup is not None or args.drafts is not None:
+        raise UsageError("--setup and --drafts build L2 host pools; not with --l3")
     if args.geometries is not None and len(args.geometries) != 1:
         raise UsageError(
             f"--l3 takes one geometry, got {len(args.geometries)} in --geometries"
@@ -605,6 +616,14 @@ def ablation_names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+def setup_names(text: str) -> tuple[str, ...]:
+    """Names only, as for ablations: bench.SETUPS knows them."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"must name a setup, got {text!r}")
+    return names
+
+
 def json_out_path(text: str) -> str:
     """Checked before a benchmark of minutes, not when its results are written."""
     path = Path(text)
@@ -710,6 +729,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time backups and loads of several host pools side by side on\n"
         "one CUDA GPU. Exit 0 when the benchmark completed; with --check,\n"
         "exit 1 if a cell misses its goal.\n\n"
+        "--setup page_first,draft,layer_first: the host pools of each setup in\n"
+        "turn: page_first (default); draft, with --drafts packed one-layer\n"
+        "MTP/NextN draft pools, each loaded right after the target layer of\n"
+        "its depth; layer_first host payload. A class that refuses a setup\n"
+        "(SGLang's MXFP8 class: page_first only) shows 'refused'.\n\n"
         "--l3 file|mooncake: put and get of MXFP8 pages and of the same model's\n"
         "payload-only pages through that L3 backend, as SGLang's cache controller\n"
         "moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
@@ -737,6 +761,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         help="extra columns: ours with one design choice undone, by the names in "
         "tools/ablations.py (default: none)",
+    )
+    bench.add_argument(
+        "--setup",
+        type=setup_names,
+        action="append",
+        metavar="NAME,...",
+        help="host pool setups, comma separated or repeated: page_first, draft, "
+        "layer_first (default: page_first)",
+    )
+    bench.add_argument(
+        "--drafts",
+        type=positive_int,
+        metavar="N",
+        help="--setup draft: packed one-layer draft pools (default: "
+        "bench.DEFAULT_DRAFTS)",
     )
     bench.add_argument(
         "--warmup",

@@ -37,6 +37,8 @@ import os
 import socket
 import sys
 import threading
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +55,13 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
+SETUPS = ("kv", "draft", "layer_first", "hybrid_swa")
+"""``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
+``layer_first``: that host layout; ``hybrid_swa``: full and sliding-window
+MXFP8 pools (full layers 3 and 7 of 8) through ``build_hybrid_swa_stack``."""
+DRAFTS = 2
+SWA_FULL_LAYERS, SWA_LAYERS = (3, 7), 8
+SWA_DEVICE_PAGES = 24
 L3_BACKENDS = ("file", "mooncake")
 MOONCAKE_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_MOONCAKE"
 REFUSED_ATTACH = "nixl"
@@ -69,6 +78,10 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+def _sync(device: str) -> None:
+    torch.get_device_module(device).synchronize()
+
+
 def token_scales(scale_buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """(T, H, D/32) scale bytes of token ``slots`` in the FA4-interleaved
     ``(pages, H, 32, P/32, D/32)`` layout: slot -> [page, :, off % 32, off // 32, :]."""
@@ -83,7 +96,32 @@ def dequantize(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return payload.to(torch.float32) * factor
 
 
-def _publish():
+@dataclass(frozen=True)
+class DeviceLayer:
+    """One MXFP8 device layer the stack backs up and restores: its pool, its
+    layer there, and the index space (``kv`` or ``swa``) that addresses it."""
+
+    pool: Any
+    layer: int
+    space: str = "kv"
+
+
+@dataclass
+class Stack:
+    """What SGLang's assembler built, and every MXFP8 layer in it."""
+
+    host_group: Any
+    controller: Any
+    consumer_pool: Any  # the pool the attention layers wait on
+    layers: list[DeviceLayer]
+    allocators: dict[str, Any]  # index space -> allocator
+
+    @property
+    def device_pools(self) -> list[Any]:
+        return list({id(d.pool): d.pool for d in self.layers}.values())
+
+
+def _publish(setup: str):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -98,7 +136,7 @@ def _publish():
         enable_hierarchical_cache=True,
         hicache_ratio=2.0,
         hicache_size=0,
-        hicache_mem_layout="page_first",
+        hicache_mem_layout="layer_first" if setup == "layer_first" else "page_first",
         hicache_io_backend="kernel",
         hicache_write_policy="write_through",
         hicache_host_memory_mode="cache",
@@ -111,7 +149,117 @@ def _publish():
     )
 
 
-def run(mode: str, l3: str | None = None) -> dict:
+def _build_stack(setup: str, group, device: str) -> Stack:
+    """The device pools and the HiCache stack SGLang builds for ``setup``."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.runtime_context import get_serving
+
+    params = dict(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=len(SEQ_LENS),
+            max_context_len=4096,
+            device=device,
+            enable_memory_saver=False,
+        ),
+        page_size=PAGE,
+        tp_cache_group=group,
+        attn_cp_cache_group=group,
+        attn_tp_cache_group=group,
+        pp_cache_group=group,
+    )
+    common = dict(
+        load_cache_event=threading.Event(),
+        storage_backend=None,
+        use_mla=False,
+        model_name=get_serving().served_model_name,
+    )
+    pool_args = dict(head_num=KV_HEADS, head_dim=HEAD_DIM, device=device)
+    if setup == "hybrid_swa":
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        # What the configurator builds for --kv-cache-dtype mxfp8 on a
+        # hybrid SWA model (kv_cache_configurator._build_hybrid_swa_kv_pool).
+        kvcache = SWAKVPool(
+            size=DEVICE_PAGES * PAGE,
+            size_swa=SWA_DEVICE_PAGES * PAGE,
+            page_size=PAGE,
+            dtype=torch.float8_e4m3fn,
+            swa_attention_layer_ids=[
+                i for i in range(SWA_LAYERS) if i not in SWA_FULL_LAYERS
+            ],
+            full_attention_layer_ids=list(SWA_FULL_LAYERS),
+            token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+            **pool_args,
+        )
+        allocator = SWATokenToKVPoolAllocator(
+            kvcache.size,
+            kvcache.size_swa,
+            PAGE,
+            torch.int64,
+            device,
+            kvcache,
+            need_sort=False,
+        )
+        full_mapping, swa_mapping = assembler._swa_layer_mappings(kvcache)
+        host_group, controller = assembler.build_hybrid_swa_stack(
+            params=CacheInitParams(token_to_kv_pool_allocator=allocator, **params),
+            full_kv_pool=kvcache.full_kv_pool,
+            swa_kv_pool=kvcache.swa_kv_pool,
+            full_layer_mapping=full_mapping,
+            swa_layer_mapping=swa_mapping,
+            **common,
+        )
+        layers = [
+            DeviceLayer(kvcache.swa_kv_pool if swa else kvcache.full_kv_pool, n, space)
+            for n, swa, space in (
+                (
+                    *kvcache.layers_mapping[i],
+                    "swa" if kvcache.layers_mapping[i][1] else "kv",
+                )
+                for i in range(SWA_LAYERS)
+            )
+        ]
+        return Stack(
+            host_group,
+            controller,
+            kvcache,
+            layers,
+            {"kv": allocator.full_attn_allocator, "swa": allocator.swa_attn_allocator},
+        )
+    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **pool_args)
+    drafts = tuple(
+        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **pool_args)
+        for _ in range(DRAFTS if setup == "draft" else 0)
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        kv_pool.size, PAGE, torch.int64, device, kv_pool, need_sort=False
+    )
+    host_group, controller = assembler.build_kv_only_stack(
+        params=CacheInitParams(
+            token_to_kv_pool_allocator=allocator,
+            mtp_draft_device_pools=drafts,
+            **params,
+        ),
+        kv_pool=kv_pool,
+        full_layer_mapping={i: i for i in range(LAYERS)},
+        **common,
+    )
+    layers = [DeviceLayer(kv_pool, i) for i in range(LAYERS)]
+    layers += [DeviceLayer(d, 0) for d in drafts]
+    return Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
+
+
+def run(
+    mode: str, l3: str | None = None, setup: str = "kv", device: str = "cuda"
+) -> dict:
+    """One mode and setup; on ``device="cpu"`` the caller has put CPU stand-ins
+    for the kernels in place (the tests do)."""
     if mode != "ours":
         from sglang_mxfp8_hicache.plugin import DISABLE_ENV
 
@@ -121,12 +269,9 @@ def run(mode: str, l3: str | None = None) -> dict:
     load_plugins()
     import torch.distributed as dist
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.runtime_context import get_serving, reset_context
+    from sglang.srt.runtime_context import reset_context
 
     if mode == "plain":
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -135,170 +280,175 @@ def run(mode: str, l3: str | None = None) -> dict:
         # assembler looks the selector up.
         hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: MHATokenToKVPoolHost
 
-    _publish()
+    _publish(setup)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
     )
-    group = dist.group.WORLD
-    device = "cuda"
-    req_to_token_pool = ReqToTokenPool(
-        size=len(SEQ_LENS),
-        max_context_len=4096,
-        device=device,
-        enable_memory_saver=False,
-    )
-    kv_pool = build_device_pool(
-        head_num=KV_HEADS,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        pages=DEVICE_PAGES,
-        device=device,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        kv_pool.size, PAGE, torch.int64, device, kv_pool, need_sort=False
-    )
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-        tp_cache_group=group,
-        attn_cp_cache_group=group,
-        attn_tp_cache_group=group,
-        pp_cache_group=group,
-    )
-    host_group, controller = hybrid_pool_assembler.build_kv_only_stack(
-        params=params,
-        kv_pool=kv_pool,
-        full_layer_mapping={i: i for i in range(LAYERS)},
-        load_cache_event=threading.Event(),
-        storage_backend=None,
-        use_mla=False,
-        model_name=get_serving().served_model_name,
-    )
-    stream = torch.cuda.current_stream()
-    controller.write_fence_stream = controller.load_fence_stream = stream
-    host_pool = host_group.get_pool(PoolName.KV)
     verdict = {
         "mode": mode,
-        "host_class": f"{type(host_pool).__module__}.{type(host_pool).__qualname__}",
+        "setup": setup,
         "seq_lens": list(SEQ_LENS),
-        "layers": LAYERS,
         "geometry": f"{KV_HEADS}x{HEAD_DIM}",
     }
+    stack = None
     try:
-        verdict.update(_exercise(kv_pool, allocator, controller, RadixAttention, l3))
+        stack = _build_stack(setup, dist.group.WORLD, device)
+        stream = torch.get_device_module(device).current_stream()
+        stack.controller.write_fence_stream = stream
+        stack.controller.load_fence_stream = stream
+        verdict["host_classes"] = {
+            entry.name.value: f"{type(entry.host_pool).__module__}."
+            f"{type(entry.host_pool).__qualname__}"
+            for entry in stack.host_group.entries
+        }
+        verdict["host_class"] = verdict["host_classes"][PoolName.KV.value]
+        verdict["layers"] = len(stack.layers)
+        verdict.update(_exercise(stack, RadixAttention, l3, device))
     finally:
-        torch.cuda.synchronize()
-        controller.reset()
-        host_group.destroy()
+        _sync(device)
+        if stack is not None:
+            stack.controller.reset()
+            stack.host_group.destroy()
         dist.destroy_process_group()
         reset_context()
     return verdict
 
 
-def _exercise(kv_pool, allocator, controller, RadixAttention, l3) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(1234)
-    layers = [
-        RadixAttention(Q_HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, layer_id=i)
-        for i in range(LAYERS)
-    ]
+class _Sequences:
+    """The test sequences' device slots in each index space, allocated whole pages."""
+
+    def __init__(self, stack: Stack, lengths=SEQ_LENS):
+        self.lengths = list(lengths)
+        self.slots = {space: [] for space in stack.allocators}
+        for length in self.lengths:
+            for space, allocator in stack.allocators.items():
+                self.slots[space].append(allocator.alloc(-(-length // PAGE) * PAGE))
+
+    def all(self, space: str) -> torch.Tensor:
+        return torch.cat(self.slots[space])
+
+    def written(self, space: str) -> torch.Tensor:
+        """The slots that hold the sequences' tokens (not the pages' tails)."""
+        return torch.cat(
+            [s[:n] for s, n in zip(self.slots[space], self.lengths, strict=True)]
+        )
+
+    def free(self, stack: Stack) -> None:
+        for space, allocator in stack.allocators.items():
+            allocator.free(self.all(space))
+
+
+def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    gen = torch.Generator(device=device).manual_seed(1234)
     # 1. Real MXFP8 KV, written by SGLang's own quantize-and-store path.
-    seq_slots, tokens, bf16 = [], [], []
-    for length in SEQ_LENS:
-        slots = allocator.alloc(-(-length // PAGE) * PAGE)
-        seq_slots.append(slots)
-        tokens.append(slots[:length])
-    src_slots = torch.cat(seq_slots)
-    written = torch.cat(tokens)
+    src = _Sequences(stack)
     write_path = "set_kv_buffer (SGLang's fused MXFP8 quantize and store, Triton)"
+    bf16 = []
     try:
-        for layer in layers:
+        for d in stack.layers:
+            slots = src.written(d.space)
+            layer = RadixAttention(
+                Q_HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, layer_id=d.layer
+            )
             k, v = (
                 torch.randn(
-                    len(written), KV_HEADS, HEAD_DIM, generator=gen, device="cuda"
+                    len(slots), KV_HEADS, HEAD_DIM, generator=gen, device=device
                 )
                 .mul_(3.0)
                 .to(torch.bfloat16)
                 for _ in range(2)
             )
-            kv_pool.set_kv_buffer(layer, written, k, v)
+            d.pool.set_kv_buffer(layer, slots, k, v)
             bf16.append((k, v))
     except Exception as exc:  # the fallback the issue allows, with the reason kept
         write_path = f"random payload and valid scales (set_kv_buffer failed: {exc!r})"
         bf16 = []
-        for buf in (*kv_pool.k_buffer, *kv_pool.v_buffer):
-            _u8(buf).copy_(
-                torch.randint(
-                    0, 0x7E, buf.shape, dtype=torch.uint8, generator=gen, device="cuda"
-                )
-            )
-        for buf in (*kv_pool.k_scale_buffer, *kv_pool.v_scale_buffer):
-            _u8(buf).copy_(
-                torch.randint(
-                    100, 140, buf.shape, dtype=torch.uint8, generator=gen, device="cuda"
-                )
-            )
-    torch.cuda.synchronize()
+        for pool in stack.device_pools:
+            for buf in (*pool.k_buffer, *pool.v_buffer):
+                _u8(buf).copy_(_randint(0, 0x7E, buf.shape, gen))
+            for buf in (*pool.k_scale_buffer, *pool.v_scale_buffer):
+                _u8(buf).copy_(_randint(100, 140, buf.shape, gen))
+    _sync(device)
 
-    def snapshot(slots: torch.Tensor) -> list[torch.Tensor]:
-        pages = slots[::PAGE] // PAGE
-        return [
-            _u8(buf[i])[index].clone()
-            for i in range(LAYERS)
+    def snapshot(seqs: _Sequences) -> list[torch.Tensor]:
+        """[K, V, K scales, V scales] of each layer at ``seqs``' slots."""
+        out = []
+        for d in stack.layers:
+            slots = seqs.all(d.space)
+            pages = slots[::PAGE] // PAGE
             for buf, index in (
-                (kv_pool.k_buffer, slots),
-                (kv_pool.v_buffer, slots),
-                (kv_pool.k_scale_buffer, pages),
-                (kv_pool.v_scale_buffer, pages),
-            )
-        ]
+                (d.pool.k_buffer, slots),
+                (d.pool.v_buffer, slots),
+                (d.pool.k_scale_buffer, pages),
+                (d.pool.v_scale_buffer, pages),
+            ):
+                out.append(_u8(buf[d.layer])[index].clone())
+        return out
 
-    def dequantized(slots: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            dequantize(payload[i][slots], token_scales(scales[i], slots))
-            for i in range(LAYERS)
+    def dequantized(seqs: _Sequences) -> list[torch.Tensor]:
+        out = []
+        for d in stack.layers:
+            slots = seqs.written(d.space)
             for payload, scales in (
-                (kv_pool.k_buffer, kv_pool.k_scale_buffer),
-                (kv_pool.v_buffer, kv_pool.v_scale_buffer),
-            )
-        ]
+                (d.pool.k_buffer, d.pool.k_scale_buffer),
+                (d.pool.v_buffer, d.pool.v_scale_buffer),
+            ):
+                out.append(
+                    dequantize(
+                        payload[d.layer][slots], token_scales(scales[d.layer], slots)
+                    )
+                )
+        return out
 
-    original = snapshot(src_slots)
-    original_kv = dequantized(written)
+    original = snapshot(src)
+    original_kv = dequantized(src)
     quant_ok = bool(bf16) and all(
-        within_mxfp8_error(x.float(), deq, token_scales(scales[i], written))
-        for i in range(LAYERS)
-        for x, deq, scales in (
-            (bf16[i][0], original_kv[2 * i], kv_pool.k_scale_buffer),
-            (bf16[i][1], original_kv[2 * i + 1], kv_pool.v_scale_buffer),
+        within_mxfp8_error(
+            x.float(),
+            original_kv[2 * n + side],
+            token_scales(scales[d.layer], src.written(d.space)),
+        )
+        for n, d in enumerate(stack.layers)
+        for side, (x, scales) in enumerate(
+            ((bf16[n][0], d.pool.k_scale_buffer), (bf16[n][1], d.pool.v_scale_buffer))
         )
     )
 
     # 2. Write back through the controller (write-through: submitted at once).
-    host_indices = [
-        controller.write(slots, node_id=n) for n, slots in enumerate(seq_slots)
-    ]
-    if any(h is None for h in host_indices):
-        raise RuntimeError("the host pool had no room for the write-back")
+    controller = stack.controller
+    host_indices = []  # per sequence: {space: host indices}
+    for n in range(len(src.lengths)):
+        swa = (
+            [PoolTransfer(name=PoolName.SWA, device_indices=src.slots["swa"][n])]
+            if "swa" in src.slots
+            else []
+        )
+        kv_host = controller.write(
+            src.slots["kv"][n], node_id=n, extra_pools=swa or None
+        )
+        if kv_host is None:
+            raise RuntimeError("the host pool had no room for the write-back")
+        # The controller resolved the SWA pool's host slots into its transfer.
+        host_indices.append(
+            {"kv": kv_host, **{t.name.value: t.host_indices for t in swa}}
+        )
     while controller.ack_write_queue:
         controller.ack_write_queue.pop(0).finish_event.synchronize()
 
-    def load_and_judge(hosts: list[torch.Tensor]) -> dict:
+    def load_and_judge(hosts: list[dict]) -> dict:
         """Overwrite the device, load ``hosts`` into new device pages through
         the controller; what came back, against the originals."""
-        result, dst_seq_slots = _load_and_compare(
-            kv_pool, allocator, controller, hosts, snapshot, gen
-        )
-        restored_kv = dequantized(
-            torch.cat([d[: len(t)] for d, t in zip(dst_seq_slots, tokens, strict=True)])
-        )
+        dst = _Sequences(stack)
+        result = _load_and_compare(stack, hosts, dst, gen, device)
+        result["restored"] = snapshot(dst)
+        restored_kv = dequantized(dst)
         diffs = [
             (a - b).abs().nan_to_num(nan=float("inf")).max().item()
             for a, b in zip(restored_kv, original_kv, strict=True)
         ]
-        for slots in dst_seq_slots:
-            allocator.free(slots)
+        dst.free(stack)
         return {
             **_restored_flags(result["restored"], original),
             "dequantized_max_diff": max(diffs),
@@ -306,23 +456,30 @@ def _exercise(kv_pool, allocator, controller, RadixAttention, l3) -> dict:
         }
 
     # 3. Other device pages for the load (the originals are still allocated),
-    #    every byte of the device pool overwritten, then the load.
+    #    every byte of the device pools overwritten, then the load.
     verdict = {
         "write_path": write_path,
         "quantized_within_mxfp8_error": quant_ok,
         **load_and_judge(host_indices),
     }
-    allocator.free(src_slots)
+    src.free(stack)
     digest = hashlib.sha256()
     for tensor in verdict.pop("restored"):
         digest.update(tensor.cpu().numpy().tobytes())
     verdict["restored_sha256"] = digest.hexdigest()
+    kv_hosts = [h["kv"] for h in host_indices]
     if l3 is not None:  # it evicts the pages from L2 itself
-        verdict["l3"] = _exercise_l3(l3, controller, host_indices, load_and_judge)
+        verdict["l3"] = _exercise_l3(l3, controller, kv_hosts, load_and_judge)
     else:
-        for host in host_indices:
+        for host in kv_hosts:
             controller.evict_host(host)
     return verdict
+
+
+def _randint(low: int, high: int, shape, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(
+        low, high, shape, dtype=torch.uint8, generator=gen, device=gen.device
+    )
 
 
 def _restored_flags(restored: list, original: list) -> dict:
@@ -338,47 +495,63 @@ def _restored_flags(restored: list, original: list) -> dict:
     }
 
 
-def _load_and_compare(kv_pool, allocator, controller, host_indices, snapshot, gen):
-    """Overwrite every device byte, load ``host_indices`` into new device pages
-    through the controller, layer by layer on its events; what they hold now
-    (snapshot()'s tensors), whether every other device page kept its bytes, and
-    the new pages (the caller frees them)."""
-    dst_seq_slots = [allocator.alloc(len(h)) for h in host_indices]
-    dst_slots = torch.cat(dst_seq_slots)
-    fill_random(device_buffers(kv_pool), gen)
-    torch.cuda.synchronize()
-    device_pages = kv_pool.k_buffer[0].shape[0] // PAGE
-    untouched_pages = torch.ones(device_pages, dtype=torch.bool, device="cuda")
-    untouched_pages[dst_slots[::PAGE] // PAGE] = False
-    before_load = [
-        _u8(b).reshape(device_pages, -1)[untouched_pages].clone()
-        for b in device_buffers(kv_pool)
-    ]
+def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, device):
+    """Overwrite every device byte, load ``hosts`` into ``dst`` through the
+    controller, waiting layer by layer on its events; whether every other
+    device page kept its bytes."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    controller = stack.controller
+    pools = stack.device_pools
+    for pool in pools:
+        fill_random(device_buffers(pool), gen)
+    _sync(device)
+    kept = []  # per pool: its pages outside the load, and their bytes now
+    for pool in pools:
+        space = next(d.space for d in stack.layers if d.pool is pool)
+        page_num = pool.k_buffer[0].shape[0] // PAGE
+        untouched = torch.ones(page_num, dtype=torch.bool, device=device)
+        untouched[dst.all(space)[::PAGE] // PAGE] = False
+        rows = [_u8(b).reshape(page_num, -1) for b in device_buffers(pool)]
+        kept.append((rows, untouched, [r[untouched].clone() for r in rows]))
     # 4. Load through the controller, layer by layer, on its completion events.
-    for host, dst in zip(host_indices, dst_seq_slots, strict=True):
-        if controller.load(host, node_id=99, device_indices=dst) is None:
+    for n, host in enumerate(hosts):
+        swa = (
+            [
+                PoolTransfer(
+                    name=PoolName.SWA,
+                    host_indices=host["swa"],
+                    device_indices=dst.slots["swa"][n],
+                )
+            ]
+            if "swa" in host
+            else []
+        )
+        loaded = controller.load(
+            host["kv"],
+            node_id=99,
+            extra_pools=swa or None,
+            device_indices=dst.slots["kv"][n],
+        )
+        if loaded is None:
             raise RuntimeError("the controller refused the load")
     producer = controller.start_loading()
     controller.layer_done_counter.set_consumer(producer)
     events = controller.layer_done_counter.events[producer].load_events
-    for i in range(LAYERS):
-        kv_pool.get_key_buffer(
-            i
-        )  # the consumer's wait: current stream waits on layer i
+    for i in range(controller.transfer_layer_id_max):
+        # The consumer's wait: the current stream waits on transfer layer i.
+        stack.consumer_pool.get_key_buffer(i)
         events[i].synchronize()
     while controller.ack_load_queue:
         controller.ack_load_queue.pop(0).finish_event.synchronize()
     controller.layer_done_counter.set_consumer(-1)
-    torch.cuda.synchronize()
-    after_load = [
-        _u8(b).reshape(device_pages, -1)[untouched_pages]
-        for b in device_buffers(kv_pool)
-    ]
+    _sync(device)
     untouched = all(
-        torch.equal(a, b) for a, b in zip(after_load, before_load, strict=True)
+        torch.equal(r[mask], before)
+        for rows, mask, befores in kept
+        for r, before in zip(rows, befores, strict=True)
     )
-    result = {"restored": snapshot(dst_slots), "untouched_pages_kept": untouched}
-    return result, dst_seq_slots
+    return {"untouched_pages_kept": untouched}
 
 
 def _l3_extra_config(backend: str) -> dict:
@@ -445,7 +618,7 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
             break
     # 8. L2 -> device, into yet other pages; compare with the first originals.
     lengths = [len(h) for h in host_indices]
-    judged = load_and_judge(list(fetched_host.split(lengths)))
+    judged = load_and_judge([{"kv": h} for h in fetched_host.split(lengths)])
     judged.pop("restored")
     controller.evict_host(fetched_host)
     controller.detach_storage_backend()
@@ -476,21 +649,24 @@ def run_modes(
     timeout: float = 600,
     l3: tuple[str, ...] = (),
     mooncake_config: dict | None = None,
+    setups: tuple[str, ...] = ("kv",),
 ) -> dict[str, dict]:
-    """Each mode in a fresh process, then mode ours once per L3 backend in
-    ``l3`` (keyed ``ours+file``, ...); the verdicts by key. ``mooncake_config``
-    is the extra config of a running Mooncake master, for ``l3`` mooncake."""
+    """Each mode in a fresh process running every setup in ``setups``, then
+    mode ours once per L3 backend in ``l3``; the verdicts by key: the mode for
+    setup ``kv`` (``ours``), ``setup:mode`` for the others (``draft:ours``),
+    ``ours+file`` for L3. ``mooncake_config`` is the extra config of a running
+    Mooncake master, for ``l3`` mooncake."""
     import subprocess
 
-    runs = {mode: [mode] for mode in modes}
-    runs.update({f"ours+{b}": ["ours", "--l3", b] for b in l3})
+    runs = {mode: ["--mode", mode, "--setup", ",".join(setups)] for mode in modes}
+    runs.update({f"ours+{b}": ["--mode", "ours", "--l3", b] for b in l3})
     env = dict(os.environ)
     if mooncake_config is not None:
         env[MOONCAKE_CONFIG_ENV] = json.dumps(mooncake_config)
     verdicts = {}
     for key, argv in runs.items():
         done = subprocess.run(
-            [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", "--mode", *argv],
+            [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", *argv],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -499,26 +675,60 @@ def run_modes(
         )
         if done.returncode:
             verdicts[key] = {"mode": key, "error": done.stderr.strip()[-2000:]}
-        else:
-            verdicts[key] = json.loads(done.stdout.strip().splitlines()[-1])
+            continue
+        for line in done.stdout.strip().splitlines():
+            if line.startswith("{"):
+                v = json.loads(line)
+                verdicts[key if key.startswith("ours+") else verdict_key(v)] = v
     return verdicts
+
+
+def verdict_key(verdict: dict) -> str:
+    setup = verdict.get("setup", "kv")
+    return verdict["mode"] if setup == "kv" else f"{setup}:{verdict['mode']}"
+
+
+def run_setups(mode: str, setups, l3: str | None = None, device: str = "cuda"):
+    """One verdict per setup, in this process; a setup that raises gives a
+    verdict with its error (SGLang's own class refuses some setups)."""
+    import traceback
+
+    for setup in setups:
+        try:
+            yield run(mode, l3, setup, device)
+        except Exception as exc:
+            traceback.print_exc()
+            yield {
+                "mode": mode,
+                "setup": setup,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=MODES, default="ours")
     parser.add_argument(
+        "--setup",
+        default="kv",
+        help=f"comma-separated, from {', '.join(SETUPS)} (default kv)",
+    )
+    parser.add_argument(
         "--l3",
         choices=L3_BACKENDS,
-        help="then L2 -> L3 -> L2 -> device through the controller (mode ours)",
+        help="then L2 -> L3 -> L2 -> device through the controller (mode ours, setup kv)",
     )
     args = parser.parse_args()
-    if args.l3 and args.mode != "ours":
-        parser.error("--l3 needs --mode ours")
+    setups = args.setup.split(",")
+    if unknown := set(setups) - set(SETUPS):
+        parser.error(f"unknown setup {sorted(unknown)}; choose from {SETUPS}")
+    if args.l3 and (args.mode != "ours" or setups != ["kv"]):
+        parser.error("--l3 needs --mode ours and --setup kv")
     if not torch.cuda.is_available():
         print(json.dumps({"mode": args.mode, "skipped": "no CUDA GPU"}))
         return
-    print(json.dumps(run(args.mode, args.l3)))
+    for verdict in run_setups(args.mode, setups, args.l3):
+        print(json.dumps(verdict), flush=True)
 
 
 if __name__ == "__main__":

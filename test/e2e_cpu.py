@@ -1,0 +1,78 @@
+"""``tools.e2e`` on the CPU: SGLang's assembler, controller and transfer engine
+run for real, the kernels are the emulations of ``kernel_emulation`` and pinned
+host memory is plain memory.
+
+    python test/e2e_cpu.py MODE SETUP[,SETUP...]
+
+One process per mode, since the plugin hook is process-wide; prints one JSON
+verdict per setup, as ``python -m sglang_mxfp8_hicache.tools.e2e`` does on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from kernel_emulation import install_stack_emulation  # noqa: E402
+
+
+def run_cpu(modes, setups, timeout: float = 600) -> dict[str, dict]:
+    """``main`` in a fresh process per mode; the verdicts keyed as
+    ``tools.e2e.run_modes`` keys them."""
+    import subprocess
+
+    from sglang_mxfp8_hicache.tools.e2e import verdict_key
+
+    verdicts = {}
+    for mode in modes:
+        done = subprocess.run(
+            [sys.executable, __file__, mode, ",".join(setups)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if done.returncode:
+            raise RuntimeError(f"e2e_cpu {mode}: {done.stderr.strip()[-2000:]}")
+        for line in done.stdout.splitlines():
+            verdict = json.loads(line)
+            verdicts[verdict_key(verdict)] = verdict
+    return verdicts
+
+
+def assert_exact(verdict: dict) -> None:
+    """Payload and scales of every MXFP8 layer restored, dequantized difference
+    0, and every device page outside the load kept."""
+    assert "error" not in verdict, verdict["error"]
+    assert verdict["payload_restored"] and verdict["scales_restored"], verdict
+    assert verdict["dequantized_max_diff"] == 0.0, verdict
+    assert verdict["untouched_pages_kept"], verdict
+    if verdict["write_path"].startswith("set_kv_buffer"):
+        assert verdict["quantized_within_mxfp8_error"], verdict
+
+
+def assert_control_loses_scales(verdict: dict) -> None:
+    """The payload-only host pool restores the payload and loses the scales."""
+    assert "error" not in verdict, verdict["error"]
+    assert verdict["payload_restored"], verdict
+    assert not verdict["scales_restored"], verdict
+    assert verdict["dequantized_max_diff"] > 0, verdict
+
+
+def main() -> None:
+    from sglang_mxfp8_hicache.tools.e2e import run_setups
+
+    mode, setups = sys.argv[1], sys.argv[2].split(",")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        install_stack_emulation(monkeypatch)
+        for verdict in run_setups(mode, setups, device="cpu"):
+            print(json.dumps(verdict), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Issue 11's setups through SGLang's real assembler, HybridCacheController and
+transfer engine (``tools.e2e``), on the CPU with the kernels emulated; the same
+runs with the real kernels are in ``test_e2e_gpu``.
+
+``draft``: two packed MTP/NextN draft layers (``is_draft`` loads after target
+layers 0 and 1); ``layer_first``: that host layout; ``hybrid_swa``: an
+``SWAKVPool`` of MXFP8 full and sliding-window pools (full layers 3 and 7 of
+8) through ``build_hybrid_swa_stack``, so the full pool's first layer loads
+in transfer iteration 3.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e_cpu import assert_control_loses_scales, assert_exact, run_cpu
+from sglang_mxfp8_hicache.tools.e2e import SETUPS
+
+OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> dict[str, dict]:
+    return run_cpu(("ours", "plain"), SETUPS)
+
+
+def _key(setup: str, mode: str) -> str:
+    return mode if setup == "kv" else f"{setup}:{mode}"
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_controller_restores_exactly(verdicts, setup):
+    verdict = verdicts[_key(setup, "ours")]
+    assert_exact(verdict)
+    # Every MXFP8 sub-pool the assembler built is ours (hybrid_swa: kv and swa).
+    assert set(verdict["host_classes"].values()) == {OURS}, verdict["host_classes"]
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+def test_payload_only_control_loses_scales(verdicts, setup):
+    assert_control_loses_scales(verdicts[_key(setup, "plain")])
+
+
+def test_setups_cover_their_layers(verdicts):
+    layers = {setup: verdicts[_key(setup, "ours")]["layers"] for setup in SETUPS}
+    assert layers == {"kv": 4, "draft": 6, "layer_first": 4, "hybrid_swa": 8}
+    assert set(verdicts[_key("hybrid_swa", "ours")]["host_classes"]) == {"kv", "swa"}
