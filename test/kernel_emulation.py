@@ -414,6 +414,155 @@ class EmulatedKernels:
             dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
 
 
+UINT4_BYTES = 16
+
+
+class EmulatedMambaKernels:
+    """CPU stand-ins for SGLang's JIT Mamba state transfer kernels, emulating their contracts.
+
+    Only for machines without CUDA. Each function takes the same arguments as its
+    counterpart in ``sglang.kernels.ops.mamba.transfer_mamba`` (the Python wrapper
+    that ``sglang.srt.mem_cache.pool_host.mamba`` imports by name on CUDA/ROCm) and
+    moves the same bytes as ``sglang/kernels/jit/csrc/kvcacheio/transfer_mamba.cuh``
+    (``TransferMambaKernel::run_pf_lf`` / ``run_lf_pf``):
+
+    - ``transfer_kv_mamba_pf_lf`` (load, host page_first -> one device layer): for
+      every ``i``, ``item_size`` bytes go from
+      ``src.data_ptr() + src_indices[i] * src_layout_dim + layer_id * item_size`` to
+      ``dst.data_ptr() + dst_indices[i] * item_size`` (``transfer_mamba_load_kernel``).
+      ``src`` / ``dst`` are only base addresses: their shapes, strides and dtypes are
+      never read. ``num_warps_per_item`` is accepted and ignored, as the wrapper does.
+    - ``transfer_kv_mamba_lf_pf`` (backup, every device layer -> host page_first):
+      for every ``i`` and every layer ``l < num_layers``, ``item_size`` bytes go from
+      ``src_ptrs[l] + src_indices[i] * item_size`` to
+      ``dst.data_ptr() + dst_indices[i] * dst_layout_dim + l * item_size``
+      (``transfer_mamba_backup_kernel``).
+
+    Checks, as the host side of the kernel makes them (``TensorMatcher`` /
+    ``RuntimeCheck``): ``src_indices`` and ``dst_indices`` are 1-D int64 of one
+    length on one device (``kDLGPU`` there: the CPU stands in for the GPU here, so
+    both must simply share a device); ``src_ptrs`` is 1-D uint64 of ``num_layers``
+    entries on that same device; ``item_size > 0`` and a multiple of 16 (the kernel
+    copies in ``uint4`` steps); ``num_layers > 0`` for the backup. An empty index
+    list moves nothing. What the kernel does not check but would fault on is
+    asserted too: every address it touches is 16-byte aligned (``uint4`` loads and
+    stores). ``get_device_accessible_ptr`` maps a host tensor through
+    ``cudaHostGetDevicePointer``, so on a GPU the host buffers must be
+    registered (pinned); here registration is patched out and the host pointer is used as is.
+
+    Indices are not range-checked by the kernel: a wrong one writes out of bounds.
+    Here every source and destination range is resolved against the tensors
+    registered with :class:`kernel_emulation.PointerMap` (whole range inside one
+    registered tensor), so a wrong index or pointer fails loudly instead of
+    reading or writing garbage.
+    """
+
+    def __init__(self, pointers: PointerMap) -> None:
+        self.pointers = pointers
+        self.calls: list[tuple] = []
+
+    # -- checks, as run_pf_lf / run_lf_pf make them ------------------------------
+
+    @staticmethod
+    def _check_indices(src_indices: torch.Tensor, dst_indices: torch.Tensor) -> int:
+        for name, indices in (
+            ("src_indices", src_indices),
+            ("dst_indices", dst_indices),
+        ):
+            if indices.dim() != 1 or indices.dtype != torch.int64:
+                raise RuntimeError(
+                    f"transfer_mamba: {name} must be 1-D int64, got "
+                    f"{tuple(indices.shape)} {indices.dtype}"
+                )
+        if src_indices.numel() != dst_indices.numel():
+            raise RuntimeError("transfer_mamba: num_indices differ")
+        if src_indices.device != dst_indices.device:
+            raise RuntimeError("transfer_mamba: indices on different devices")
+        return src_indices.numel()
+
+    @staticmethod
+    def _check_item_size(item_size: int) -> None:
+        if item_size <= 0:
+            raise RuntimeError("transfer_mamba: item_size must be positive")
+        if item_size % UINT4_BYTES:
+            raise RuntimeError(
+                "transfer_mamba: item_size must be 16-byte aligned (uint4)"
+            )
+
+    def _span(self, address: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` bytes at ``address``, inside one registered tensor."""
+        if address % UINT4_BYTES:
+            raise RuntimeError(f"transfer_mamba: misaligned uint4 address {address:#x}")
+        flat, offset = self.pointers.locate(address)
+        if offset + nbytes > flat.numel():
+            raise KeyError(
+                f"transfer_mamba: {nbytes} bytes at {address:#x} run past their tensor"
+            )
+        return flat[offset : offset + nbytes]
+
+    # -- the two entry points ------------------------------------------------------
+
+    def transfer_kv_mamba_pf_lf(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_indices: torch.Tensor,
+        dst_indices: torch.Tensor,
+        layer_id: int,
+        item_size: int,
+        src_layout_dim: int,
+        num_warps_per_item: int = 32,
+    ) -> None:
+        num_items = self._check_indices(src_indices, dst_indices)
+        self._check_item_size(item_size)
+        self.calls.append(("mamba_pf_lf", int(layer_id), item_size, num_items))
+        if num_items == 0:
+            return
+        src_base, dst_base = src.data_ptr(), dst.data_ptr()
+        for s, d in zip(src_indices.tolist(), dst_indices.tolist(), strict=True):
+            source = self._span(
+                src_base + s * src_layout_dim + layer_id * item_size, item_size
+            )
+            self._span(dst_base + d * item_size, item_size).copy_(source)
+
+    def transfer_kv_mamba_lf_pf(
+        self,
+        src_ptrs: torch.Tensor,
+        dst: torch.Tensor,
+        src_indices: torch.Tensor,
+        dst_indices: torch.Tensor,
+        item_size: int,
+        dst_layout_dim: int,
+        num_layers: int,
+        num_warps_per_item: int = 32,
+    ) -> None:
+        num_items = self._check_indices(src_indices, dst_indices)
+        if (
+            src_ptrs.dim() != 1
+            or src_ptrs.dtype != torch.uint64
+            or src_ptrs.numel() != num_layers
+            or src_ptrs.device != src_indices.device
+        ):
+            raise RuntimeError(
+                "transfer_mamba: src_ptrs must be 1-D uint64 of num_layers "
+                "entries on the indices' device"
+            )
+        self._check_item_size(item_size)
+        if num_layers <= 0:
+            raise RuntimeError("transfer_mamba: num_layers must be positive")
+        self.calls.append(("mamba_lf_pf", int(num_layers), item_size, num_items))
+        if num_items == 0:
+            return
+        layer_bases = src_ptrs.tolist()
+        dst_base = dst.data_ptr()
+        for s, d in zip(src_indices.tolist(), dst_indices.tolist(), strict=True):
+            for layer, layer_base in enumerate(layer_bases):
+                source = self._span(layer_base + s * item_size, item_size)
+                self._span(
+                    dst_base + d * dst_layout_dim + layer * item_size, item_size
+                ).copy_(source)
+
+
 def install_emulation(monkeypatch) -> EmulatedKernels:
     """SGLang's JIT HiCache kernels and ours replaced by the emulations above.
 
@@ -468,6 +617,17 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     from sglang_mxfp8_hicache.tools.selfcheck import device_buffers
 
     kernels = install_emulation(monkeypatch)
+    mamba_kernels = EmulatedMambaKernels(kernels.pointers)
+    from sglang.kernels.ops.mamba import transfer_mamba
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.pool_host import mamba as mamba_host
+
+    for name in ("transfer_kv_mamba_pf_lf", "transfer_kv_mamba_lf_pf"):
+        # mamba.py binds these at import, and only under CUDA/ROCm.
+        monkeypatch.setattr(
+            mamba_host, name, getattr(mamba_kernels, name), raising=False
+        )
+        monkeypatch.setattr(transfer_mamba, name, getattr(mamba_kernels, name))
     for module in (common, base, host_pool):
         for name in ("_cuda_host_register", "_cuda_host_unregister"):
             if hasattr(module, name):
@@ -486,6 +646,21 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
         "__init__",
         registering(
             MHATokenToKVPoolMXFP8.__init__, lambda pool, _: device_buffers(pool)
+        ),
+    )
+    monkeypatch.setattr(
+        MambaPool,
+        "__init__",
+        registering(
+            MambaPool.__init__,
+            lambda pool, _: [pool.mamba_cache.temporal, *pool.mamba_cache.conv],
+        ),
+    )
+    monkeypatch.setattr(
+        mamba_host.MambaPoolHost,
+        "init_kv_buffer",
+        registering(
+            mamba_host.MambaPoolHost.init_kv_buffer, lambda _, buffers: buffers
         ),
     )
     monkeypatch.setattr(

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mxfp8_hicache.tools.e2e import run_modes
+from e2e_cpu import assert_control_loses_scales, assert_exact
+from sglang_mxfp8_hicache.tools.e2e import SETUPS, run_modes
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def verdicts():
-    return run_modes(l3=("file",))
+    return run_modes(l3=("file",), setups=SETUPS)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +88,34 @@ def test_l3_file(verdicts):
 
 def test_l3_mooncake(mooncake_verdict):
     _assert_l3_exact(mooncake_verdict, "mooncake")
+
+
+OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+
+
+@pytest.mark.parametrize("setup", [s for s in SETUPS if s != "kv"])
+def test_setup_restores_exactly(verdicts, setup):
+    """Issue 11's setups with the real kernels: real MXFP8 from set_kv_buffer,
+    dequantized difference 0; the payload-only control loses the scales."""
+    v = verdicts[f"{setup}:ours"]
+    assert_exact(v)
+    assert v["write_path"].startswith("set_kv_buffer"), v["write_path"]
+    assert {k: c for k, c in v["host_classes"].items() if k != "mamba"} == {
+        k: OURS for k in v["host_classes"] if k != "mamba"
+    }
+    assert v.get("state_restored", True), v
+    assert_control_loses_scales(verdicts[f"{setup}:plain"])
+
+
+@pytest.mark.parametrize("setup", ["hybrid_swa", "mamba"])
+def test_setup_cross_check_with_sglang_class(verdicts, setup):
+    """SGLang's own MXFP8 class serves the hybrids' page_first pools: the
+    restored bytes agree."""
+    ours, sglang = verdicts[f"{setup}:ours"], verdicts[f"{setup}:sglang"]
+    assert "error" not in sglang, sglang["error"]
+    assert ours["restored_sha256"] == sglang["restored_sha256"]
+
+
+@pytest.mark.parametrize("setup", ["draft", "layer_first"])
+def test_sglang_class_refuses(verdicts, setup):
+    assert "NotImplementedError" in verdicts[f"{setup}:sglang"]["error"]

@@ -119,14 +119,36 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(pool))
 
 
-@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
-def test_refuses_layout(cpu_kernels, no_allocation, mxfp8_pool, layout):
+@pytest.mark.parametrize(
+    "layout, op",
+    [
+        ("page_first_direct", "transfer_kv_\\*_direct_\\*"),
+        ("page_head", "transfer_kv_per_layer_ph_lf"),
+    ],
+)
+def test_refuses_layout(cpu_kernels, no_allocation, mxfp8_pool, layout, op):
+    """Refused by name, with the reason: the payload path is sgl_kernel only."""
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match="use --hicache-mem-layout page_first or layer_first",
+        match=f"host layout '{layout}' is not served: .*compiled ops .*{op}.*"
+        "Use --hicache-mem-layout page_first or layer_first",
     ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, layout, **_kwargs(mxfp8_pool))
+
+
+def test_refuses_decode_host_receive(
+    cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
+):
+    monkeypatch.setattr(host_pool_module, "decode_host_receive", lambda: True)
+    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    with pytest.raises(
+        MXFP8HiCacheConfigError,
+        match="--disaggregation-decode-host-receive-threshold < 1 .*BLOCK_SCALE",
+    ):
+        MHATokenToKVPoolMXFP8Host(
+            info, 2.0, 0, 128, "layer_first", **_kwargs(mxfp8_pool)
+        )
 
 
 def test_refuses_layer_first_with_storage(cpu_kernels, no_allocation, mxfp8_pool):
@@ -152,7 +174,9 @@ def test_refuses_configured_direct_io(
     monkeypatch.setattr(host_pool_module, "configured_io_backend", lambda: "direct")
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
+        MXFP8HiCacheConfigError,
+        match="io backend 'direct' is not served: .*compiled ops.*"
+        "use --hicache-io-backend kernel",
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -252,7 +276,9 @@ def test_refuses_asymmetric_heads(cpu_kernels, no_allocation):
         head_num=2, head_dim=128, v_head_dim=64, layer_num=2, pages=2, device="cpu"
     )
     info = pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="asymmetric"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="K head_dim .* transfer_kv_per_layer_mla_pf_lf"
+    ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 

@@ -4,9 +4,11 @@ runs with the real kernels are in ``test_e2e_gpu``.
 
 ``draft``: two packed MTP/NextN draft layers (``is_draft`` loads after target
 layers 0 and 1); ``layer_first``: that host layout; ``hybrid_swa``: an
-``SWAKVPool`` of MXFP8 full and sliding-window pools (full layers 3 and 7 of
-8) through ``build_hybrid_swa_stack``, so the full pool's first layer loads
-in transfer iteration 3.
+``SWAKVPool`` of MXFP8 full and sliding-window pools through
+``build_hybrid_swa_stack``; ``mamba``: a ``HybridLinearKVPool`` over an MXFP8
+pool beside Mamba2 state through SGLang's strategy and
+``build_hybrid_mamba_stack``. In both hybrids full attention is at layers 3
+and 7 of 8, so the full pool's first layer loads in transfer iteration 3.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ def _key(setup: str, mode: str) -> str:
 def test_controller_restores_exactly(verdicts, setup):
     verdict = verdicts[_key(setup, "ours")]
     assert_exact(verdict)
-    # Every MXFP8 sub-pool the assembler built is ours (hybrid_swa: kv and swa).
-    assert set(verdict["host_classes"].values()) == {OURS}, verdict["host_classes"]
+    # Every MXFP8 sub-pool the assembler built is ours (hybrid_swa: kv and swa);
+    # the Mamba state keeps SGLang's own host pool, and comes back too.
+    mxfp8 = {k: v for k, v in verdict["host_classes"].items() if k != "mamba"}
+    assert set(mxfp8.values()) == {OURS}, verdict["host_classes"]
+    assert verdict.get("state_restored", True), verdict
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -43,5 +48,16 @@ def test_payload_only_control_loses_scales(verdicts, setup):
 
 def test_setups_cover_their_layers(verdicts):
     layers = {setup: verdicts[_key(setup, "ours")]["layers"] for setup in SETUPS}
-    assert layers == {"kv": 4, "draft": 6, "layer_first": 4, "hybrid_swa": 8}
-    assert set(verdicts[_key("hybrid_swa", "ours")]["host_classes"]) == {"kv", "swa"}
+    assert layers == {
+        "kv": 4,
+        "draft": 6,
+        "layer_first": 4,
+        "hybrid_swa": 8,
+        "mamba": 2,
+    }
+    host_classes = {
+        setup: set(verdicts[_key(setup, "ours")]["host_classes"])
+        for setup in ("hybrid_swa", "mamba")
+    }
+    assert host_classes == {"hybrid_swa": {"kv", "swa"}, "mamba": {"kv", "mamba"}}
+    assert verdicts[_key("mamba", "ours")]["state_restored"]

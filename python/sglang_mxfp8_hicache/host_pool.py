@@ -72,6 +72,20 @@ has a layout of its own, and SGLang's JIT kernels move either payload layout."""
 STORAGE_LAYOUT = "page_first"
 """The payload layout of an L3 page (``_storage_rows``)."""
 SUPPORTED_IO_BACKEND = "kernel"
+COMPILED_ONLY = (
+    "SGLang 0.5.23 moves that payload only through sgl_kernel's compiled ops "
+    "({ops}), never through its JIT kernels, and this plugin serves only paths "
+    "proven with SGLang's JIT kernels"
+)
+REFUSED_LAYOUTS = {
+    "page_head": COMPILED_ONLY.format(
+        ops="transfer_kv_per_layer_ph_lf / transfer_kv_all_layer_lf_ph"
+    ),
+    "page_first_direct": COMPILED_ONLY.format(
+        ops="the direct transfer_kv_*_direct_* copies of --hicache-io-backend direct"
+    ),
+}
+"""Host layouts SGLang builds that this pool refuses, and why (README table)."""
 STORAGE_FORMAT_VERSION = 1
 """Bumped whenever the bytes of a stored page change meaning; it is in the keys."""
 
@@ -88,6 +102,16 @@ def configured_io_backend() -> str | None:
         return get_memory().hicache_io_backend
     except (ValueError, AttributeError):
         return None
+
+
+def decode_host_receive() -> bool:
+    """Whether the running server receives PD decode KV into the host pool."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        return get_disagg().disaggregation_decode_host_receive_threshold < 1
+    except (ValueError, AttributeError):
+        return False
 
 
 def doubling_layer_groups(layer_num: int) -> list[range]:
@@ -253,15 +277,20 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         if buffer_info.head_dim != buffer_info.v_head_dim:
             raise refuse(
                 f"K head_dim {buffer_info.head_dim} != V head_dim "
-                f"{buffer_info.v_head_dim}; no MXFP8 host pool exists for asymmetric "
-                "heads, run without --enable-hierarchical-cache."
+                f"{buffer_info.v_head_dim}: "
+                + COMPILED_ONLY.format(
+                    ops="the host-to-device transfer_kv_per_layer_mla_pf_lf of "
+                    "asymmetric heads"
+                )
+                + "; run without --enable-hierarchical-cache."
             )
         if layout not in SUPPORTED_LAYOUTS:
+            reason = REFUSED_LAYOUTS.get(layout, "it has no transfer path")
             raise refuse(
-                f"host layout {layout!r} is not supported; use --hicache-mem-layout "
-                f"{' or '.join(SUPPORTED_LAYOUTS)} with --hicache-io-backend "
-                f"{SUPPORTED_IO_BACKEND} (--hicache-io-backend direct turns the "
-                "layout into page_first_direct)."
+                f"host layout {layout!r} is not served: {reason}. Use "
+                f"--hicache-mem-layout {' or '.join(SUPPORTED_LAYOUTS)} with "
+                f"--hicache-io-backend {SUPPORTED_IO_BACKEND} (--hicache-io-backend "
+                "direct turns the layout into page_first_direct)."
             )
         if layout != STORAGE_LAYOUT and allocator_type != NO_STORAGE:
             raise refuse(
@@ -271,8 +300,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         io_backend = configured_io_backend()
         if io_backend not in (None, SUPPORTED_IO_BACKEND):
             raise refuse(
-                f"io backend {io_backend!r} is not supported; use "
-                f"--hicache-io-backend {SUPPORTED_IO_BACKEND}."
+                f"io backend {io_backend!r} is not served: "
+                + COMPILED_ONLY.format(ops=f"the {io_backend} transfer_kv_* copies")
+                + f"; use --hicache-io-backend {SUPPORTED_IO_BACKEND}."
+            )
+        if decode_host_receive():
+            raise refuse(
+                "--disaggregation-decode-host-receive-threshold < 1 receives KV "
+                "into the host pool, and SGLang's decode side rejects block-scaled "
+                "(MXFP8) KV state there whatever the host pool "
+                "(StateType.BLOCK_SCALE); leave the threshold at 1."
             )
         storage_reason = storage_refusal(allocator_type)
         if storage_reason is not None:

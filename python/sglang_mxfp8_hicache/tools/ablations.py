@@ -76,11 +76,16 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
             dtype=torch.uint8,
             device=self._transfer_device,
         )
+        # Target layers, then packed draft layers, as the host rows hold them.
         self.device_k_rows = [
-            s.view(torch.uint8).view(-1, page_bytes) for s in buffer_info.scales.k
+            s.view(torch.uint8).view(-1, page_bytes)
+            for info in self._buffer_infos
+            for s in info.scales.k
         ]
         self.device_v_rows = [
-            s.view(torch.uint8).view(-1, page_bytes) for s in buffer_info.scales.v
+            s.view(torch.uint8).view(-1, page_bytes)
+            for info in self._buffer_infos
+            for s in info.scales.v
         ]
 
     def backup_from_device_all_layer(

@@ -300,8 +300,11 @@ def bench_geometry(
     setup: Setup = Setup(),
     device: str = "cuda",
 ) -> list[Row]:
-    """``device``: cuda; cpu only where the tests emulate the kernels (and
-    stand in for :func:`_time_all`, which times with CUDA events)."""
+    """One geometry in one setup: a device pool (and the setup's draft device
+    pools), one host pool per column built for the setup, every batch timed.
+
+    ``device``: cuda; cpu only where the tests emulate the kernels (and stand
+    in for :func:`_time_all`, which times with CUDA events)."""
     heads, head_dim, layers = geometry
     device_pool, *drafts = (
         build_device_pool(

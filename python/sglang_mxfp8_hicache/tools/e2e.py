@@ -37,7 +37,7 @@ import os
 import socket
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,13 +55,26 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
-SETUPS = ("kv", "draft", "layer_first", "hybrid_swa")
+SETUPS = ("kv", "draft", "layer_first", "hybrid_swa", "mamba")
 """``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
 ``layer_first``: that host layout; ``hybrid_swa``: full and sliding-window
-MXFP8 pools (full layers 3 and 7 of 8) through ``build_hybrid_swa_stack``."""
+MXFP8 pools through ``build_hybrid_swa_stack``; ``mamba``: an MXFP8 full
+attention pool beside Mamba2 state through ``build_hybrid_mamba_stack``. The
+hybrids have 8 layers, full attention at 3 and 7, as their models interleave."""
 DRAFTS = 2
-SWA_FULL_LAYERS, SWA_LAYERS = (3, 7), 8
+HYBRID_LAYERS, HYBRID_FULL_LAYERS = 8, (3, 7)
 SWA_DEVICE_PAGES = 24
+MAMBA_SLOTS = 2 * len(SEQ_LENS)
+# Mamba2 state, small: conv (96, 3) bf16, temporal (4, 16, 16) fp32 per layer.
+MAMBA_SHAPE = dict(
+    tp_world_size=1,
+    intermediate_size=64,
+    n_groups=1,
+    num_heads=4,
+    head_dim=16,
+    state_size=16,
+    conv_kernel=4,
+)
 L3_BACKENDS = ("file", "mooncake")
 MOONCAKE_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_MOONCAKE"
 REFUSED_ATTACH = "nixl"
@@ -114,7 +127,13 @@ class Stack:
     controller: Any
     consumer_pool: Any  # the pool the attention layers wait on
     layers: list[DeviceLayer]
-    allocators: dict[str, Any]  # index space -> allocator
+    # Index space -> allocator: "kv" (the anchor), then each side pool by its
+    # PoolName value ("swa", "mamba").
+    allocators: dict[str, Any]
+    # Mamba state tensors, (layers, slots, ...), moved beside the KV, and
+    # the model layers that hold them.
+    state: list[torch.Tensor] = field(default_factory=list)
+    state_layers: tuple[int, ...] = ()
 
     @property
     def device_pools(self) -> list[Any]:
@@ -159,12 +178,6 @@ def _build_stack(setup: str, group, device: str) -> Stack:
 
     params = dict(
         disable=False,
-        req_to_token_pool=ReqToTokenPool(
-            size=len(SEQ_LENS),
-            max_context_len=4096,
-            device=device,
-            enable_memory_saver=False,
-        ),
         page_size=PAGE,
         tp_cache_group=group,
         attn_cp_cache_group=group,
@@ -174,10 +187,24 @@ def _build_stack(setup: str, group, device: str) -> Stack:
     common = dict(
         load_cache_event=threading.Event(),
         storage_backend=None,
-        use_mla=False,
         model_name=get_serving().served_model_name,
     )
     pool_args = dict(head_num=KV_HEADS, head_dim=HEAD_DIM, device=device)
+    hybrid_attention = dict(
+        full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
+        swa_attention_layer_ids=[
+            i for i in range(HYBRID_LAYERS) if i not in HYBRID_FULL_LAYERS
+        ],
+    )
+    if setup == "mamba":
+        return _build_mamba_stack(params, common, pool_args, hybrid_attention)
+    params["req_to_token_pool"] = ReqToTokenPool(
+        size=len(SEQ_LENS),
+        max_context_len=4096,
+        device=device,
+        enable_memory_saver=False,
+    )
+    common["use_mla"] = False
     if setup == "hybrid_swa":
         from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
@@ -190,11 +217,8 @@ def _build_stack(setup: str, group, device: str) -> Stack:
             size_swa=SWA_DEVICE_PAGES * PAGE,
             page_size=PAGE,
             dtype=torch.float8_e4m3fn,
-            swa_attention_layer_ids=[
-                i for i in range(SWA_LAYERS) if i not in SWA_FULL_LAYERS
-            ],
-            full_attention_layer_ids=list(SWA_FULL_LAYERS),
             token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+            **hybrid_attention,
             **pool_args,
         )
         allocator = SWATokenToKVPoolAllocator(
@@ -222,7 +246,7 @@ def _build_stack(setup: str, group, device: str) -> Stack:
                     *kvcache.layers_mapping[i],
                     "swa" if kvcache.layers_mapping[i][1] else "kv",
                 )
-                for i in range(SWA_LAYERS)
+                for i in range(HYBRID_LAYERS)
             )
         ]
         return Stack(
@@ -253,6 +277,92 @@ def _build_stack(setup: str, group, device: str) -> Stack:
     layers = [DeviceLayer(kv_pool, i) for i in range(LAYERS)]
     layers += [DeviceLayer(d, 0) for d in drafts]
     return Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
+
+
+def _build_mamba_stack(params, common, pool_args, hybrid_attention) -> Stack:
+    """What the scheduler builds for an MXFP8 hybrid Mamba model: its request
+    pool with the Mamba state pool, a HybridLinearKVPool over
+    MHATokenToKVPoolMXFP8 (kv_cache_configurator), and the stack through
+    SGLang's own strategy selection (``build_hybrid_mamba_stack``), with the
+    layer-done counters wired as the radix cache wires them."""
+    from types import SimpleNamespace
+
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+    from sglang.srt.mem_cache.memory_pool import (
+        HybridLinearKVPool,
+        HybridReqToTokenPool,
+        MHATokenToKVPoolMXFP8,
+    )
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    device = pool_args["device"]
+    mamba_layers = hybrid_attention["swa_attention_layer_ids"]
+    req_to_token_pool = HybridReqToTokenPool(
+        size=len(SEQ_LENS),
+        mamba_size=MAMBA_SLOTS,
+        mamba_spec_state_size=len(SEQ_LENS),
+        max_context_len=4096,
+        device=device,
+        enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(
+            shape=Mamba2StateShape.create(**MAMBA_SHAPE), layers=mamba_layers
+        ),
+        mamba_layer_ids=mamba_layers,
+        enable_mamba_extra_buffer=False,
+        speculative_num_draft_tokens=None,
+        enable_overlap_schedule=False,
+        start_layer=0,
+    )
+    kvcache = HybridLinearKVPool(
+        size=DEVICE_PAGES * PAGE,
+        dtype=torch.float8_e4m3fn,
+        page_size=PAGE,
+        full_attention_layer_ids=hybrid_attention["full_attention_layer_ids"],
+        mamba_pool=req_to_token_pool.mamba_pool,
+        enable_memory_saver=False,
+        enable_kv_cache_copy=False,
+        start_layer=0,
+        full_kv_pool_class=MHATokenToKVPoolMXFP8,
+        quant_method=None,
+        use_mla=False,
+        **pool_args,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        kvcache.size, PAGE, torch.int64, device, kvcache, need_sort=False
+    )
+    params = CacheInitParams(
+        token_to_kv_pool_allocator=allocator,
+        req_to_token_pool=req_to_token_pool,
+        **params,
+    )
+    strategy = assembler._select_strategy(
+        kvcache, {ComponentType.FULL, ComponentType.MAMBA}
+    )
+    built = strategy.build(
+        cache=SimpleNamespace(evict_host=lambda n, component: 0),
+        kvcache=kvcache,
+        params=params,
+        server_args=None,
+        **common,
+    )
+    counter = built.cache_controller.layer_done_counter
+    kvcache.register_layer_transfer_counter(counter)
+    if built.register_req_to_token_counter:
+        req_to_token_pool.register_layer_transfer_counter(counter)
+    full = kvcache.full_kv_pool
+    mamba_cache = req_to_token_pool.mamba_pool.mamba_cache
+    return Stack(
+        built.host_pool_group,
+        built.cache_controller,
+        kvcache,
+        [DeviceLayer(full, n) for n in range(full.layer_num)],
+        {"kv": allocator, "mamba": req_to_token_pool.mamba_allocator},
+        [mamba_cache.temporal, *mamba_cache.conv],
+        tuple(mamba_layers),
+    )
 
 
 def run(
@@ -315,14 +425,16 @@ def run(
 
 
 class _Sequences:
-    """The test sequences' device slots in each index space, allocated whole pages."""
+    """The test sequences' device slots in each index space: whole pages of
+    tokens, and one Mamba state slot per sequence (one radix node each)."""
 
     def __init__(self, stack: Stack, lengths=SEQ_LENS):
         self.lengths = list(lengths)
         self.slots = {space: [] for space in stack.allocators}
         for length in self.lengths:
             for space, allocator in stack.allocators.items():
-                self.slots[space].append(allocator.alloc(-(-length // PAGE) * PAGE))
+                need = 1 if space == "mamba" else -(-length // PAGE) * PAGE
+                self.slots[space].append(allocator.alloc(need))
 
     def all(self, space: str) -> torch.Tensor:
         return torch.cat(self.slots[space])
@@ -370,6 +482,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
                 _u8(buf).copy_(_randint(0, 0x7E, buf.shape, gen))
             for buf in (*pool.k_scale_buffer, *pool.v_scale_buffer):
                 _u8(buf).copy_(_randint(100, 140, buf.shape, gen))
+    fill_random(stack.state, gen)
     _sync(device)
 
     def snapshot(seqs: _Sequences) -> list[torch.Tensor]:
@@ -385,6 +498,9 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
                 (d.pool.v_scale_buffer, pages),
             ):
                 out.append(_u8(buf[d.layer])[index].clone())
+        if stack.state:  # then each Mamba state tensor's (layers, slots) rows
+            slots = seqs.all("mamba")
+            out += [_u8(t[:, slots]).clone() for t in stack.state]
         return out
 
     def dequantized(seqs: _Sequences) -> list[torch.Tensor]:
@@ -420,19 +536,20 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
     controller = stack.controller
     host_indices = []  # per sequence: {space: host indices}
     for n in range(len(src.lengths)):
-        swa = (
-            [PoolTransfer(name=PoolName.SWA, device_indices=src.slots["swa"][n])]
-            if "swa" in src.slots
-            else []
-        )
+        # Side pools as the radix cache passes them: device slots only.
+        side = [
+            PoolTransfer(name=PoolName(space), device_indices=slots[n])
+            for space, slots in src.slots.items()
+            if space != "kv"
+        ]
         kv_host = controller.write(
-            src.slots["kv"][n], node_id=n, extra_pools=swa or None
+            src.slots["kv"][n], node_id=n, extra_pools=side or None
         )
         if kv_host is None:
             raise RuntimeError("the host pool had no room for the write-back")
-        # The controller resolved the SWA pool's host slots into its transfer.
+        # The controller resolved each side pool's host slots into its transfer.
         host_indices.append(
-            {"kv": kv_host, **{t.name.value: t.host_indices for t in swa}}
+            {"kv": kv_host, **{t.name.value: t.host_indices for t in side}}
         )
     while controller.ack_write_queue:
         controller.ack_write_queue.pop(0).finish_event.synchronize()
@@ -450,7 +567,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         ]
         dst.free(stack)
         return {
-            **_restored_flags(result["restored"], original),
+            **_restored_flags(result["restored"], original, 4 * len(stack.layers)),
             "dequantized_max_diff": max(diffs),
             **result,
         }
@@ -482,17 +599,25 @@ def _randint(low: int, high: int, shape, gen: torch.Generator) -> torch.Tensor:
     )
 
 
-def _restored_flags(restored: list, original: list) -> dict:
-    """Payload and scales equal, from snapshot()'s [K, V, K scale, V scale] per layer."""
+def _restored_flags(restored: list, original: list, kv_entries: int) -> dict:
+    """Payload and scales equal, from snapshot()'s [K, V, K scale, V scale] per
+    layer; then the Mamba state, where the stack has one."""
     pairs = list(zip(restored, original, strict=True))
-    return {
+    flags = {
         "payload_restored": all(
-            torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 < 2
+            torch.equal(a, b)
+            for n, (a, b) in enumerate(pairs[:kv_entries])
+            if n % 4 < 2
         ),
         "scales_restored": all(
-            torch.equal(a, b) for n, (a, b) in enumerate(pairs) if n % 4 >= 2
+            torch.equal(a, b)
+            for n, (a, b) in enumerate(pairs[:kv_entries])
+            if n % 4 >= 2
         ),
     }
+    if len(pairs) > kv_entries:
+        flags["state_restored"] = all(torch.equal(a, b) for a, b in pairs[kv_entries:])
+    return flags
 
 
 def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, device):
@@ -505,6 +630,7 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     pools = stack.device_pools
     for pool in pools:
         fill_random(device_buffers(pool), gen)
+    fill_random(stack.state, gen)
     _sync(device)
     kept = []  # per pool: its pages outside the load, and their bytes now
     for pool in pools:
@@ -514,23 +640,27 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
         untouched[dst.all(space)[::PAGE] // PAGE] = False
         rows = [_u8(b).reshape(page_num, -1) for b in device_buffers(pool)]
         kept.append((rows, untouched, [r[untouched].clone() for r in rows]))
+    if stack.state:  # Mamba slots: (layers, slots, ...) -> rows per slot
+        slot_num = stack.state[0].shape[1]
+        untouched = torch.ones(slot_num, dtype=torch.bool, device=device)
+        untouched[dst.all("mamba")] = False
+        rows = [_u8(t).transpose(0, 1) for t in stack.state]  # views, slot first
+        kept.append((rows, untouched, [r[untouched].clone() for r in rows]))
     # 4. Load through the controller, layer by layer, on its completion events.
     for n, host in enumerate(hosts):
-        swa = (
-            [
-                PoolTransfer(
-                    name=PoolName.SWA,
-                    host_indices=host["swa"],
-                    device_indices=dst.slots["swa"][n],
-                )
-            ]
-            if "swa" in host
-            else []
-        )
+        side = [
+            PoolTransfer(
+                name=PoolName(space),
+                host_indices=indices,
+                device_indices=dst.slots[space][n],
+            )
+            for space, indices in host.items()
+            if space != "kv"
+        ]
         loaded = controller.load(
             host["kv"],
             node_id=99,
-            extra_pools=swa or None,
+            extra_pools=side or None,
             device_indices=dst.slots["kv"][n],
         )
         if loaded is None:
@@ -539,8 +669,10 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     controller.layer_done_counter.set_consumer(producer)
     events = controller.layer_done_counter.events[producer].load_events
     for i in range(controller.transfer_layer_id_max):
-        # The consumer's wait: the current stream waits on transfer layer i.
-        stack.consumer_pool.get_key_buffer(i)
+        # The consumer's wait: the current stream waits on transfer layer i
+        # (attention layers; a Mamba layer's wait is the request pool's).
+        if i not in stack.state_layers:
+            stack.consumer_pool.get_key_buffer(i)
         events[i].synchronize()
     while controller.ack_load_queue:
         controller.ack_load_queue.pop(0).finish_event.synchronize()
