@@ -179,11 +179,10 @@ def test_draft_scales_load_only_with_is_draft(make_pools):
     ]
     before = [b.clone() for b in scales]
     tokens = page_token_indices(torch.tensor([1])).to(device_pool.device)
-    host.load_to_device_per_layer(draft, tokens.cpu(), tokens, 2, IO_BACKEND)
+    # Loads get host indices on the device, as SGLang's transfer engine does.
+    host.load_to_device_per_layer(draft, tokens, tokens, 2, IO_BACKEND)
     assert all(torch.equal(a, b) for a, b in zip(scales, before, strict=True))
-    host.load_to_device_per_layer(
-        draft, tokens.cpu(), tokens, 2, IO_BACKEND, is_draft=True
-    )
+    host.load_to_device_per_layer(draft, tokens, tokens, 2, IO_BACKEND, is_draft=True)
     assert not all(torch.equal(a, b) for a, b in zip(scales, before, strict=True))
 
 

@@ -12,8 +12,9 @@ median of ``repeat`` runs) for:
 - on request, the ablations of :mod:`.ablations`: ours with one design choice
   undone, to measure what that choice is worth.
 
-A backup is one ``backup_from_device_all_layer`` call with CPU host indices, as
-SGLang's controller hands them to a pool with the staged write-back; a load is
+A backup is one ``backup_from_device_all_layer`` call with host indices where
+SGLang's controller puts them (CPU for page_first's staged write-back, the GPU
+otherwise, as for layer_first); a load is
 one ``load_to_device_per_layer`` call per layer with GPU indices, as SGLang's
 transfer engine makes them. For a load the bench also records when layer 0's
 work completes: the event SGLang's forward pass waits on before layer 0.
@@ -47,6 +48,7 @@ from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.selfcheck import (
     IO_BACKEND,
     PAGE_SIZE,
+    backup_host_indices,
     build_device_pool,
     build_host_pool,
     page_token_indices,
@@ -229,8 +231,9 @@ def _transfers(
     raw_host = torch.empty_like(raw_device, device="cpu", pin_memory=raw_device.is_cuda)
 
     def backup(host) -> Transfer:
+        indices = backup_host_indices(host, host_tokens, device)
         return lambda mark: host.backup_from_device_all_layer(
-            device_pool, host_tokens, device_tokens, IO_BACKEND
+            device_pool, indices, device_tokens, IO_BACKEND
         )
 
     def load(host) -> Transfer:

@@ -146,6 +146,19 @@ def page_token_indices(pages: torch.Tensor) -> torch.Tensor:
     return (pages[:, None] * PAGE_SIZE + offsets).reshape(-1)
 
 
+def backup_host_indices(
+    host_pool: MHATokenToKVPoolHost, host_tokens: torch.Tensor, device
+) -> torch.Tensor:
+    """A backup's host indices where SGLang's controller puts them: on the CPU
+    for page_first's staged write-back, on the device otherwise
+    (``HiCacheController._move_write_operation``)."""
+    if host_pool.layout == "page_first" and getattr(
+        host_pool, "can_use_write_back_jit", False
+    ):
+        return host_tokens
+    return host_tokens.to(device)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -204,7 +217,10 @@ def round_trip(
     _sync(device)
     start = time.perf_counter()
     host_pool.backup_from_device_all_layer(
-        device_pool, host_tokens, src_tokens, IO_BACKEND
+        device_pool,
+        backup_host_indices(host_pool, host_tokens, device),
+        src_tokens,
+        IO_BACKEND,
     )
     _sync(device)
     backup_seconds = time.perf_counter() - start
