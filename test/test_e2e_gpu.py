@@ -107,9 +107,9 @@ def test_setup_restores_exactly(verdicts, setup):
     assert_control_loses_scales(verdicts[f"{setup}:plain"])
 
 
-@pytest.mark.parametrize("setup", ["hybrid_swa", "mamba"])
+@pytest.mark.parametrize("setup", ["sidecar_draft", "hybrid_swa", "mamba"])
 def test_setup_cross_check_with_sglang_class(verdicts, setup):
-    """SGLang's own MXFP8 class serves the hybrids' page_first pools: the
+    """SGLang's own MXFP8 class serves sidecar and hybrid page_first pools: the
     restored bytes agree."""
     ours, sglang = verdicts[f"{setup}:ours"], verdicts[f"{setup}:sglang"]
     assert "error" not in sglang, sglang["error"]

@@ -3,7 +3,8 @@ transfer engine (``tools.e2e``), on the CPU with the kernels emulated; the same
 runs with the real kernels are in ``test_e2e_gpu``.
 
 ``draft``: two packed MTP/NextN draft layers (``is_draft`` loads after target
-layers 0 and 1); ``layer_first``: that host layout; ``hybrid_swa``: an
+layers 0 and 1); ``sidecar_draft``: a two-layer draft in its own host pool
+(``build_hicache_draft_sidecars``, EAGLE3 / standalone); ``layer_first``: that host layout; ``hybrid_swa``: an
 ``SWAKVPool`` of MXFP8 full and sliding-window pools through
 ``build_hybrid_swa_stack``; ``mamba``: a ``HybridLinearKVPool`` over an MXFP8
 pool beside Mamba2 state through SGLang's strategy and
@@ -51,13 +52,18 @@ def test_setups_cover_their_layers(verdicts):
     assert layers == {
         "kv": 4,
         "draft": 6,
+        "sidecar_draft": 6,
         "layer_first": 4,
         "hybrid_swa": 8,
         "mamba": 2,
     }
     host_classes = {
         setup: set(verdicts[_key(setup, "ours")]["host_classes"])
-        for setup in ("hybrid_swa", "mamba")
+        for setup in ("sidecar_draft", "hybrid_swa", "mamba")
     }
-    assert host_classes == {"hybrid_swa": {"kv", "swa"}, "mamba": {"kv", "mamba"}}
+    assert host_classes == {
+        "sidecar_draft": {"kv", "draft"},
+        "hybrid_swa": {"kv", "swa"},
+        "mamba": {"kv", "mamba"},
+    }
     assert verdicts[_key("mamba", "ours")]["state_restored"]

@@ -55,9 +55,11 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
-SETUPS = ("kv", "draft", "layer_first", "hybrid_swa", "mamba")
+SETUPS = ("kv", "draft", "sidecar_draft", "layer_first", "hybrid_swa", "mamba")
 """``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
-``layer_first``: that host layout; ``hybrid_swa``: full and sliding-window
+``sidecar_draft``: a two-layer draft (EAGLE3, standalone) in its own host pool,
+registered as SGLang's sidecar (``build_hicache_draft_sidecars``), its indices
+those of the KV pool; ``layer_first``: that host layout; ``hybrid_swa``: full and sliding-window
 MXFP8 pools through ``build_hybrid_swa_stack``; ``mamba``: an MXFP8 full
 attention pool beside Mamba2 state through ``build_hybrid_mamba_stack``. The
 hybrids have 8 layers, full attention at 3 and 7, as their models interleave."""
@@ -134,6 +136,8 @@ class Stack:
     # the model layers that hold them.
     state: list[torch.Tensor] = field(default_factory=list)
     state_layers: tuple[int, ...] = ()
+    # Sidecar pools that move with the KV pool's indices ("draft").
+    sidecars: tuple[str, ...] = ()
 
     @property
     def device_pools(self) -> list[Any]:
@@ -276,7 +280,21 @@ def _build_stack(setup: str, group, device: str) -> Stack:
     )
     layers = [DeviceLayer(kv_pool, i) for i in range(LAYERS)]
     layers += [DeviceLayer(d, 0) for d in drafts]
-    return Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
+    stack = Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
+    if setup == "sidecar_draft":
+        from types import SimpleNamespace
+
+        draft = build_device_pool(layer_num=2, pages=DEVICE_PAGES, **pool_args)
+        # What maybe_register_hicache_draft does for a draft runner's pool.
+        _, entries = assembler.build_hicache_draft_sidecars(
+            draft_device_pools=(draft,),
+            tree_cache=SimpleNamespace(cache_controller=controller),
+        )
+        for entry in entries:
+            controller.register_host_pool_entry(entry)
+        stack.layers += [DeviceLayer(draft, i) for i in range(draft.layer_num)]
+        stack.sidecars = tuple(entry.name.value for entry in entries)
+    return stack
 
 
 def _build_mamba_stack(params, common, pool_args, hybrid_attention) -> Stack:
@@ -542,6 +560,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
             for space, slots in src.slots.items()
             if space != "kv"
         ]
+        side += _sidecar_transfers(stack)
         kv_host = controller.write(
             src.slots["kv"][n], node_id=n, extra_pools=side or None
         )
@@ -549,7 +568,14 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
             raise RuntimeError("the host pool had no room for the write-back")
         # The controller resolved each side pool's host slots into its transfer.
         host_indices.append(
-            {"kv": kv_host, **{t.name.value: t.host_indices for t in side}}
+            {
+                "kv": kv_host,
+                **{
+                    t.name.value: t.host_indices
+                    for t in side
+                    if t.indices_from_pool is None
+                },
+            }
         )
     while controller.ack_write_queue:
         controller.ack_write_queue.pop(0).finish_event.synchronize()
@@ -591,6 +617,17 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         for host in kv_hosts:
             controller.evict_host(host)
     return verdict
+
+
+def _sidecar_transfers(stack: Stack) -> list:
+    """Sidecar pools ride on the KV pool's host and device indices, as the
+    radix cache passes them (``SidecarPoolSpec``)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    return [
+        PoolTransfer(name=PoolName(name), indices_from_pool=PoolName.KV)
+        for name in stack.sidecars
+    ]
 
 
 def _randint(low: int, high: int, shape, gen: torch.Generator) -> torch.Tensor:
@@ -657,6 +694,7 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
             for space, indices in host.items()
             if space != "kv"
         ]
+        side += _sidecar_transfers(stack)
         loaded = controller.load(
             host["kv"],
             node_id=99,
