@@ -421,9 +421,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             return torch.tensor(bases, dtype=torch.uint64, device=device)
 
         # Every layer for a backup; for a load, each group of the target
-        # model's layers, keyed by the layer it is issued with, and each packed
-        # draft layer alone: its load arrives as is_draft with its own layer id,
-        # after the target layer of its depth.
+        # model's layers (with each layer's group), and each packed draft layer
+        # alone, keyed by its layer id: its load arrives as is_draft, after the
+        # target layer of its depth.
         self._backup_tables = tables(range(self.layer_num))
         groups = self._load_layer_groups()
         self._load_group_tables = [tables(group) for group in groups]
