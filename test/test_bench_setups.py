@@ -127,6 +127,8 @@ class RecordingHost:
     """Records the calls a transfer makes, and where layer 0's work is issued."""
 
     page_num = 4
+    layout = "page_first"
+    can_use_write_back_jit = True
 
     def __init__(self) -> None:
         self.calls: list = []
