@@ -48,6 +48,7 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
     device_buffers,
     fill_random,
     host_page_rows,
+    synchronize,
 )
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
@@ -91,10 +92,6 @@ def _free_port() -> int:
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
-
-
-def _sync(device: str) -> None:
-    torch.get_device_module(device).synchronize()
 
 
 def token_scales(scale_buffer: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -433,7 +430,7 @@ def run(
         verdict["layers"] = len(stack.layers)
         verdict.update(_exercise(stack, RadixAttention, l3, device))
     finally:
-        _sync(device)
+        synchronize(device)
         if stack is not None:
             stack.controller.reset()
             stack.host_group.destroy()
@@ -469,7 +466,6 @@ class _Sequences:
 
 
 def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     gen = torch.Generator(device=device).manual_seed(1234)
     # 1. Real MXFP8 KV, written by SGLang's own quantize-and-store path.
@@ -501,7 +497,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
             for buf in (*pool.k_scale_buffer, *pool.v_scale_buffer):
                 _u8(buf).copy_(_randint(100, 140, buf.shape, gen))
     fill_random(stack.state, gen)
-    _sync(device)
+    synchronize(device)
 
     def snapshot(seqs: _Sequences) -> list[torch.Tensor]:
         """[K, V, K scales, V scales] of each layer at ``seqs``' slots."""
@@ -554,13 +550,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
     controller = stack.controller
     host_indices = []  # per sequence: {space: host indices}
     for n in range(len(src.lengths)):
-        # Side pools as the radix cache passes them: device slots only.
-        side = [
-            PoolTransfer(name=PoolName(space), device_indices=slots[n])
-            for space, slots in src.slots.items()
-            if space != "kv"
-        ]
-        side += _sidecar_transfers(stack)
+        side = _side_transfers(stack, src, n)
         kv_host = controller.write(
             src.slots["kv"][n], node_id=n, extra_pools=side or None
         )
@@ -619,12 +609,25 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
     return verdict
 
 
-def _sidecar_transfers(stack: Stack) -> list:
-    """Sidecar pools ride on the KV pool's host and device indices, as the
-    radix cache passes them (``SidecarPoolSpec``)."""
+def _side_transfers(
+    stack: Stack, seqs: _Sequences, n: int, host: dict | None = None
+) -> list:
+    """Sequence ``n``'s side-pool transfers, as the radix cache passes them:
+    each side pool's device slots in ``seqs`` (a load also names the host
+    slots its write got, from ``host``), then the sidecars, which ride on the
+    KV pool's indices (``SidecarPoolSpec``)."""
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-    return [
+    side = [
+        PoolTransfer(
+            name=PoolName(space),
+            host_indices=None if host is None else host[space],
+            device_indices=slots[n],
+        )
+        for space, slots in seqs.slots.items()
+        if space != "kv"
+    ]
+    return side + [
         PoolTransfer(name=PoolName(name), indices_from_pool=PoolName.KV)
         for name in stack.sidecars
     ]
@@ -661,14 +664,13 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     """Overwrite every device byte, load ``hosts`` into ``dst`` through the
     controller, waiting layer by layer on its events; whether every other
     device page kept its bytes."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     controller = stack.controller
     pools = stack.device_pools
     for pool in pools:
         fill_random(device_buffers(pool), gen)
     fill_random(stack.state, gen)
-    _sync(device)
+    synchronize(device)
     kept = []  # per pool: its pages outside the load, and their bytes now
     for pool in pools:
         space = next(d.space for d in stack.layers if d.pool is pool)
@@ -685,16 +687,7 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
         kept.append((rows, untouched, [r[untouched].clone() for r in rows]))
     # 4. Load through the controller, layer by layer, on its completion events.
     for n, host in enumerate(hosts):
-        side = [
-            PoolTransfer(
-                name=PoolName(space),
-                host_indices=indices,
-                device_indices=dst.slots[space][n],
-            )
-            for space, indices in host.items()
-            if space != "kv"
-        ]
-        side += _sidecar_transfers(stack)
+        side = _side_transfers(stack, dst, n, host)
         loaded = controller.load(
             host["kv"],
             node_id=99,
@@ -715,7 +708,7 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     while controller.ack_load_queue:
         controller.ack_load_queue.pop(0).finish_event.synchronize()
     controller.layer_done_counter.set_consumer(-1)
-    _sync(device)
+    synchronize(device)
     untouched = all(
         torch.equal(r[mask], before)
         for rows, mask, befores in kept

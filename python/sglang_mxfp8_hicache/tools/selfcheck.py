@@ -159,9 +159,9 @@ def backup_host_indices(
     return host_tokens.to(device)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    torch.get_device_module(device).synchronize()
 
 
 def round_trip(
@@ -214,7 +214,7 @@ def round_trip(
     saved = _device_pages(device_pool, device_tensors)
     host_before = [t.clone() for t in host_tensors]
 
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     host_pool.backup_from_device_all_layer(
         device_pool,
@@ -222,7 +222,7 @@ def round_trip(
         src_tokens,
         IO_BACKEND,
     )
-    _sync(device)
+    synchronize(device)
     backup_seconds = time.perf_counter() - start
 
     host_untouched = _host_untouched(host_pool, host_tensors, host_before, host_pages)
@@ -230,7 +230,7 @@ def round_trip(
     fill_random(device_tensors, gen)
     clobbered = _device_pages(device_pool, device_tensors)
     host_tokens_dev = host_tokens.to(device)
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     target_layers = device_pool.layer_num
     order = list(range(target_layers) if layer_order is None else layer_order)
@@ -250,7 +250,7 @@ def round_trip(
                 IO_BACKEND,
                 is_draft=True,
             )
-    _sync(device)
+    synchronize(device)
     load_seconds = time.perf_counter() - start
 
     restored = _device_pages(device_pool, device_tensors)
