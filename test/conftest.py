@@ -42,7 +42,7 @@ def device(request) -> str:
 
 @pytest.fixture
 def make_pools(device, request):
-    """Builds an MXFP8 device pool of ``2 * pages + 1`` pages and a host pool of
+    """Builds a block-scaled device pool of ``2 * pages + 1`` pages and a host pool of
     three quarters of it on ``device``; destroys the host pools afterwards."""
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
     from sglang_mxfp8_hicache.tools.selfcheck import (
@@ -63,9 +63,11 @@ def make_pools(device, request):
         host_cls=MHATokenToKVPoolMXFP8Host,
         drafts=None,
         layout="page_first",
+        kv_cache_dtype="mxfp8",
     ):
-        """(device pool, host pool); with ``drafts=n``, also the n one-layer draft
-        device pools packed into the host pool (MTP/NextN)."""
+        """(device pool, host pool) of ``kv_cache_dtype``; with ``drafts=n``,
+        also the n one-layer draft device pools packed into the host pool
+        (MTP/NextN)."""
         device_pools = [
             build_device_pool(
                 head_num=heads,
@@ -73,6 +75,7 @@ def make_pools(device, request):
                 layer_num=n,
                 pages=2 * pages + 1,
                 device=device,
+                kv_cache_dtype=kv_cache_dtype,
             )
             for n in (layers, *[1] * (drafts or 0))
         ]

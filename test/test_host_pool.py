@@ -155,7 +155,7 @@ def test_refuses_layer_first_with_storage(cpu_kernels, no_allocation, mxfp8_pool
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match="L3 storage of MXFP8 pages needs --hicache-mem-layout page_first",
+        match="L3 storage of mxfp8 pages needs --hicache-mem-layout page_first",
     ):
         MHATokenToKVPoolMXFP8Host(
             info,
@@ -206,7 +206,8 @@ def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
     draft_info = draft.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match="packed draft layer 0 is not an MXFP8 layer.*--kv-cache-dtype mxfp8",
+        match="packed draft layer 0 is not a layer of the target's format "
+        r"\(mxfp8\).*--kv-cache-dtype mxfp8",
     ):
         MHATokenToKVPoolMXFP8Host(
             info,
@@ -292,7 +293,10 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
         payload_dtype=torch.float8_e4m3fn,
     )
     info = pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="--kv-cache-dtype mxfp8 only"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError,
+        match="no scale buffers of a format this host pool serves",
+    ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 
@@ -381,3 +385,140 @@ def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
         )
     assert getattr(seen["scale_host"], common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
     torch.cuda.synchronize()
+
+
+def _fp4_pool(name, *, heads=8, layers=2, pages=2, page_size=128, backends=None, **kw):
+    """SGLang's FP4 pool for ``name``; ``backends`` (prefill, decode) configures
+    the quant method as the server would (default: selfcheck's FlashInfer)."""
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
+        get_kv_cache_quant_method,
+    )
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    if backends is None:
+        return build_device_pool(
+            head_num=heads,
+            head_dim=128,
+            layer_num=layers,
+            pages=pages,
+            page_size=page_size,
+            device="cpu",
+            kv_cache_dtype=name,
+        )
+    method = get_kv_cache_quant_method(
+        name, num_layers=layers, device="cpu", page_size=page_size, **kw
+    )
+    method.configure_attention_backends(*backends)
+    return MHATokenToKVPool(
+        size=pages * page_size,
+        page_size=page_size,
+        dtype=torch.float4_e2m1fn_x2,
+        head_num=heads,
+        head_dim=128,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        quant_method=method,
+    )
+
+
+@pytest.mark.parametrize("page_size", [128, 64])
+@pytest.mark.parametrize("name", ["fp4_mx_block16", "nvfp4"])
+def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
+    """Sizing from the tensors: the host's bytes per token are the device
+    pool's payload and scale bytes per token (its fp8 dequant workspace, the
+    nvfp4 FlashInfer scratch, excluded), not SGLang's host formula, which
+    counts the uint8 payload at the logical head_dim (twice its rows)."""
+    device_pool = _fp4_pool(name, layers=32, page_size=page_size)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    host = MHATokenToKVPoolMXFP8Host(
+        info, 2.0, 0, page_size, "page_first", **_kwargs(device_pool)
+    )
+    try:
+        tensors = [
+            *device_pool.k_buffer,
+            *device_pool.v_buffer,
+            *device_pool.k_scale_buffer,
+            *device_pool.v_scale_buffer,
+        ]
+        device_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        assert host.size_per_token == device_bytes // (device_pool.size + page_size)
+        assert host.size_per_token == 36864  # 32 layers of 8x128
+        assert 2 * info.head_num * info.head_dim * len(tensors) // 4 == 65536
+        plan = host_plan(
+            ModelGeometry(layers=32, kv_heads=8, head_dim=128),
+            tp_size=1,
+            device_tokens=device_pool.size,
+            fmt=host.scale_geometry.fmt,
+            page_size=page_size,
+        )
+        assert host.size_per_token == plan.bytes_per_token
+        assert host.size == plan.host_tokens
+        assert host.kv_buffer.shape[-1] == 64  # the packed payload of one head
+        assert host.storage_format_tag.startswith(f"{name}v1-l32h8d128p{page_size}")
+    finally:
+        host.destroy()
+
+
+@pytest.mark.parametrize(
+    "name, backends, kw, match",
+    [
+        (
+            "nvfp4",
+            ("triton", "triton"),
+            {},
+            "reports no per-token scale buffers",
+        ),
+        # SM100 trtllm_mha: only the native layout, outside MHABufferInfo.
+        (
+            "nvfp4",
+            ("trtllm_mha", "trtllm_mha"),
+            {"native_scale_layout": True},
+            "reports no per-token scale buffers.*native trtllm_mha layout",
+        ),
+    ],
+    ids=["nvfp4-triton", "nvfp4-native"],
+)
+def test_refuses_fp4_without_token_scales(
+    cpu_kernels, no_allocation, name, backends, kw, match
+):
+    pool = _fp4_pool(name, backends=backends, **kw)
+    info = pool.get_device_pool_infos()[0].buffer_info
+    assert info.scales is None
+    with pytest.raises(MXFP8HiCacheConfigError, match=match):
+        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
+
+
+@pytest.mark.parametrize("name", ["fp4_mx_block16", "nvfp4"])
+def test_refuses_fp4_payload_rows_no_jit_kernel_moves(cpu_kernels, no_allocation, name):
+    """One KV head of 128 is a 64 B payload row: SGLang moves it only through
+    sgl_kernel's compiled ops (CUDA's JIT kernels move whole 128 B groups)."""
+    pool = _fp4_pool(name, heads=1)
+    info = pool.get_device_pool_infos()[0].buffer_info
+    with pytest.raises(MXFP8HiCacheConfigError, match="64 B per side.*lower --tp-size"):
+        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
+
+
+def test_refuses_native_nvfp4_scales_wherever_a_stack_is_built(cpu_kernels):
+    """nvfp4 for flashinfer prefill and trtllm_mha decode on SM100 keeps
+    per-token scales (which MHABufferInfo reports) and a native copy (which it
+    does not): the plugin's hook on the assembler refuses the pool before any
+    host pool exists, naming the reason."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    pool = _fp4_pool(
+        "nvfp4",
+        backends=("flashinfer", "trtllm_mha"),
+        native_scale_layout=True,
+    )
+    assert pool.native_k_scale_buffer is not None
+    assert pool.get_device_pool_infos()[0].buffer_info.scales is not None
+    with pytest.raises(MXFP8HiCacheConfigError, match="native trtllm_mha scales"):
+        assembler._mha_host_inputs(pool)
+    # Without native scales the inputs are SGLang's, with our class.
+    plain = _fp4_pool("nvfp4")
+    host_cls, info, _ = assembler._mha_host_inputs(plain)
+    assert host_cls is MHATokenToKVPoolMXFP8Host
+    assert info.scales is not None

@@ -13,6 +13,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+import torch
 
 from sglang_mxfp8_hicache import plugin
 
@@ -84,6 +85,7 @@ def test_register_is_idempotent(recorded_hooks):
     plugin.register()
     assert [call[0] for call in recorded_hooks] == [
         plugin.HOOK_TARGET,
+        plugin.HOST_INPUTS_HOOK_TARGET,
         storage.FACTORY_HOOK_TARGET,
     ]
     assert plugin.is_registered()
@@ -116,6 +118,40 @@ def test_register_skips_unsupported_sglang(
 
 
 def test_hook_passes_other_pools_to_original():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
+
     sentinel = type("Sentinel", (), {})
-    no_scales = type("Info", (), {"scales": None})()
-    assert plugin.select_host_pool_cls(lambda info: sentinel, no_scales) is sentinel
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
+        pool = build_device_pool(
+            head_num=2,
+            head_dim=128,
+            layer_num=1,
+            pages=1,
+            device="cpu",
+            payload_dtype=dtype,
+        )
+        assert isinstance(pool, MHATokenToKVPool)
+        info = pool.get_device_pool_infos()[0].buffer_info
+        assert plugin.claims(info) is None
+        assert plugin.select_host_pool_cls(lambda info: sentinel, info) is sentinel
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "fp4_mx_block16", "nvfp4"])
+def test_hook_claims_block_scaled_pools(kv_cache_dtype):
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
+
+    pool = build_device_pool(
+        head_num=2,
+        head_dim=128,
+        layer_num=1,
+        pages=1,
+        device="cpu",
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    info = pool.get_device_pool_infos()[0].buffer_info
+    assert plugin.claims(info).startswith(f"{kv_cache_dtype} device pool")
+    chosen = plugin.select_host_pool_cls(lambda info: None, info)
+    assert chosen is MHATokenToKVPoolMXFP8Host

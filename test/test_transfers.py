@@ -64,6 +64,62 @@ def test_round_trip(make_pools, heads, head_dim, layers, pages):
     assert (host.scale_host == 0xFF).any()
 
 
+FP4_FORMATS = ["fp4_mx_block16", "nvfp4"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FP4_FORMATS)
+@pytest.mark.parametrize(
+    "heads, layers, pages, drafts, layout",
+    [
+        (2, 3, 1, 0, "page_first"),  # the narrowest JIT payload row: 128 B
+        (8, 4, 64, 0, "page_first"),
+        (4, 13, 5, 0, "page_first"),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (2, 2, 300, 0, "page_first"),  # two backup launches of at most 256 pages
+        (16, 2, 9, 0, "page_first"),  # chunks of 1024 B
+        (8, 4, 5, 2, "page_first"),  # packed MTP/NextN drafts
+        (8, 4, 9, 0, "layer_first"),
+        (8, 4, 9, 2, "layer_first"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_round_trip_fp4(
+    make_pools, kv_cache_dtype, heads, layers, pages, drafts, layout
+):
+    """FP4 KV (SGLang's MHATokenToKVPool with the recipe's quant method): packed
+    e2m1 payload at its real width and per-token scale rows, byte-exact,
+    through the same sidecar as MXFP8."""
+    device_pool, host, draft_pools = make_pools(
+        heads=heads,
+        head_dim=128,
+        layers=layers,
+        pages=pages,
+        drafts=drafts,
+        layout=layout,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    assert host.scale_geometry.fmt.name == kv_cache_dtype
+    # Half a byte of payload and 1/16 of a scale byte per element.
+    assert host.get_size_per_token() == 2 * (layers + drafts) * heads * (64 + 8)
+    result = round_trip(
+        device_pool, host, pages=pages, seed=pages + heads, drafts=draft_pools
+    )
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FP4_FORMATS)
+def test_plain_host_pool_refuses_fp4(make_pools, kv_cache_dtype):
+    """The control: SGLang 0.5.23's own host pool cannot take an FP4 pool at all."""
+    with pytest.raises(ValueError, match="scale layout 'token'"):
+        make_pools(
+            heads=8,
+            head_dim=128,
+            layers=2,
+            pages=2,
+            host_cls=MHATokenToKVPoolHost,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+
+
 @pytest.mark.parametrize(
     "heads, layers, drafts, pages",
     [(8, 4, 1, 5), (1, 3, 2, 3), (8, 13, 3, 64), (2, 1, 2, 2)],
@@ -188,10 +244,10 @@ def test_draft_scales_load_only_with_is_draft(make_pools):
 
 def test_wide_chunks_are_whole_tokens():
     """7 and 15 heads of 128: a chunk is the first multiple of 512 B, one token."""
-    from sglang_mxfp8_hicache.geometry import MXFP8ScaleGeometry
+    from sglang_mxfp8_hicache.geometry import ScaleGeometry
 
     for heads, row_bytes in ((7, 3584), (15, 7680)):
-        geometry = MXFP8ScaleGeometry(head_num=heads, head_dim=128, page_size=128)
+        geometry = ScaleGeometry(head_num=heads, head_dim=128, page_size=128)
         assert (geometry.row_bytes, geometry.row_tokens) == (row_bytes, 128)
 
 

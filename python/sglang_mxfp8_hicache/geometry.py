@@ -1,14 +1,22 @@
-"""Byte geometry of MXFP8 KV scales, shared by both transfer directions and sizing.
+"""Byte geometry of block-scaled KV scales, shared by both transfer directions,
+sizing and storage.
 
-SGLang's MXFP8 device pool (``MHATokenToKVPoolMXFP8``) keeps one UE8M0 scale
-byte per 32 fp8 elements. With page_size 128 the scales of one page and layer
-are stored in the FA4 interleaved atom ``(page, head, 32, page_size // 32,
-head_dim // 32)``, so they form one contiguous run of ``page_bytes`` bytes. A
-transfer moves whole pages of scales, cut into page chunks of ``row_bytes``:
-chunk j of a page starts ``j * row_tokens`` tokens' worth of scale bytes into
-it, so a token index times a stride addresses it, but its bytes are not those
-tokens' scales (the first 512 B of an 8x128 page are head 0's scales for all
-128 tokens).
+SGLang keeps a block-scaled KV cache as a packed payload plus one scale byte
+per block of elements, in scale tensors beside the payload:
+
+    format          payload            scale byte per   device scales per layer
+    mxfp8           fp8 e4m3, 1 B      32 elements      (pages, H, 32, P // 32, D // 32)  FA4 interleaved
+    fp4_mx_block16  2 x e2m1, 1/2 B    16 elements      (tokens, H * D // 16)             one row per token
+    nvfp4           2 x e2m1, 1/2 B    16 elements      (tokens, H, D // 16)              one row per token
+
+Each layout holds the scales of one page and layer in one contiguous run of
+``page_bytes`` bytes, so one mechanism moves all three: whole pages of scales,
+cut into page chunks of ``row_bytes``. Chunk j of a page starts ``j *
+row_tokens`` tokens' worth of scale bytes into it, so a token index times a
+stride addresses it. In the token layouts a chunk holds those tokens' scales;
+in the interleaved one it does not (the first 512 B of an 8x128 page are head
+0's scales for all 128 tokens), and nothing here needs it to. A format is a
+small :class:`ScaleFormat`; nothing else in the package knows one from another.
 
 This module imports no CUDA code, so the CLI's ``size`` command and the CPU tests
 can use it anywhere.
@@ -22,11 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
-
-MXFP8_SCALE_BLOCK = 32
-"""fp8 elements that share one UE8M0 scale byte."""
-
-FP8_ITEMSIZE = 1
+    from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 
 SCALE_ROW_BYTES = 512
 """Narrowest page chunk, one kernel worker's unit: narrow chunks keep more
@@ -36,7 +40,84 @@ loads (docs/benchmarks.md). A multiple of 128 B, as the kernel needs on CUDA."""
 
 
 @dataclass(frozen=True)
-class MXFP8ScaleGeometry:
+class ScaleFormat:
+    """What fixes a block-scaled KV format's bytes.
+
+    ``interleaved``: the device keeps one page of scales per leading index (the
+    FA4 atom), else one token. ``name`` is the ``--kv-cache-dtype`` value, and
+    it leads the L3 key tag, so pages of one recipe never load into another.
+    """
+
+    name: str
+    sf_block: int
+    payload_bits: int
+    interleaved: bool
+
+    def payload_bytes(self, elements: int) -> int:
+        return elements * self.payload_bits // 8
+
+
+MXFP8 = ScaleFormat("mxfp8", sf_block=32, payload_bits=8, interleaved=True)
+FP4_MX_BLOCK16 = ScaleFormat(
+    "fp4_mx_block16", sf_block=16, payload_bits=4, interleaved=False
+)
+NVFP4 = ScaleFormat("nvfp4", sf_block=16, payload_bits=4, interleaved=False)
+FORMATS = {f.name: f for f in (MXFP8, FP4_MX_BLOCK16, NVFP4)}
+"""Every format this package serves, by ``--kv-cache-dtype``."""
+MXFP8_SCALE_BLOCK = MXFP8.sf_block
+
+
+def is_packed_fp4(buffer_info: MHABufferInfo) -> bool:
+    """A uint8 payload of half a byte per element: SGLang's FP4 KV pools report
+    the store dtype and the logical head_dim (``MHABufferInfo`` says 2x)."""
+    import torch
+
+    k = buffer_info.buffers.k
+    return (
+        buffer_info.dtype == torch.uint8
+        and bool(k)
+        and 2 * k[0].shape[-1] == buffer_info.head_dim
+    )
+
+
+def buffer_scale_format(buffer_info: MHABufferInfo) -> ScaleFormat | None:
+    """The block-scaled format of a device pool, read from its tensors (nothing
+    in ``MHABufferInfo`` names the recipe), or None for an unscaled pool.
+
+    Recognised in any layout, page size and scale count, so that a pool we
+    cannot serve gets our error naming the flag rather than a generic one: an
+    fp8 payload with UE8M0 scales of one byte per 32 elements is MXFP8; a
+    packed FP4 payload with uint8 scale rows of one byte per 16 elements is
+    nvfp4 (per head, 3-D) or fp4_mx_block16 (heads flattened, 2-D).
+    """
+    import torch
+
+    scales = buffer_info.scales
+    if scales is None or not scales.k:
+        return None
+    scale = scales.k[0]
+    if buffer_info.dtype == torch.float8_e4m3fn:
+        if (
+            scale.dtype == torch.float8_e8m0fnu
+            and scale.shape[-1] == buffer_info.head_dim // MXFP8.sf_block
+        ):
+            return MXFP8
+        return None
+    if not is_packed_fp4(buffer_info) or scale.dtype != torch.uint8:
+        return None
+    head_num, head_dim = buffer_info.head_num, buffer_info.head_dim
+    if scale.dim() == 3 and tuple(scale.shape[1:]) == (
+        head_num,
+        head_dim // NVFP4.sf_block,
+    ):
+        return NVFP4
+    if scale.dim() == 2 and scale.shape[1] == head_num * head_dim // 16:
+        return FP4_MX_BLOCK16
+    return None
+
+
+@dataclass(frozen=True)
+class ScaleGeometry:
     """Scale bytes of one KV side (K or V) per page and per token, for one layer.
 
     K and V must agree because SGLang's MHA host pool keeps one head_dim for
@@ -46,16 +127,17 @@ class MXFP8ScaleGeometry:
     head_num: int
     head_dim: int
     page_size: int
-    sf_block: int = MXFP8_SCALE_BLOCK
+    fmt: ScaleFormat = MXFP8
     min_row_bytes: int = SCALE_ROW_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("head_num", "head_dim", "page_size", "sf_block", "min_row_bytes"):
+        for name in ("head_num", "head_dim", "page_size", "min_row_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.head_dim % self.sf_block:
+        if self.head_dim % self.fmt.sf_block:
             raise ValueError(
-                f"MXFP8 needs head_dim divisible by {self.sf_block}, got {self.head_dim}"
+                f"{self.fmt.name} needs head_dim divisible by {self.fmt.sf_block}, "
+                f"got {self.head_dim}"
             )
         if self.page_size % self.row_tokens:
             raise ValueError(
@@ -66,7 +148,7 @@ class MXFP8ScaleGeometry:
     @property
     def sf_dim(self) -> int:
         """Scale bytes per head and token."""
-        return self.head_dim // self.sf_block
+        return self.head_dim // self.fmt.sf_block
 
     @property
     def bytes_per_token(self) -> int:
@@ -80,15 +162,21 @@ class MXFP8ScaleGeometry:
 
     @property
     def payload_bytes_per_token(self) -> int:
-        """fp8 payload bytes of one side per token and layer."""
-        return self.head_num * self.head_dim * FP8_ITEMSIZE
+        """Payload bytes of one side per token and layer (half a byte per
+        element for FP4, where ``MHABufferInfo`` counts one)."""
+        return self.head_num * self.payload_head_bytes
+
+    @property
+    def payload_head_bytes(self) -> int:
+        """Payload bytes of one head and token: the device rows' real width."""
+        return self.fmt.payload_bytes(self.head_dim)
 
     @property
     def row_tokens(self) -> int:
         """The size of a page chunk in tokens' worth of scale bytes: the fewest
         tokens whose scale bytes are a multiple of ``min_row_bytes``. A chunk
-        starts at a token index (times the stride) but holds a slice of the
-        page's interleaved scales, not these tokens' own."""
+        starts at a token index (times the stride); in the interleaved layout
+        it holds a slice of the page's scales, not these tokens' own."""
         tokens = self.min_row_bytes // math.gcd(
             self.bytes_per_token, self.min_row_bytes
         )
@@ -121,7 +209,7 @@ class MXFP8ScaleGeometry:
         geometry never shares a key with one of ours.
         """
         return (
-            f"mxfp8v{version}-l{layer_num}h{self.head_num}d{self.head_dim}"
+            f"{self.fmt.name}v{version}-l{layer_num}h{self.head_num}d{self.head_dim}"
             f"p{self.page_size}r{self.row_tokens}"
         )
 
@@ -135,29 +223,43 @@ class MXFP8ScaleGeometry:
         k_scale: torch.Tensor,
         v_scale: torch.Tensor,
         *,
+        fmt: ScaleFormat,
         head_num: int,
         head_dim: int,
         page_size: int,
         min_row_bytes: int = SCALE_ROW_BYTES,
-    ) -> MXFP8ScaleGeometry:
-        """Geometry from the formula, cross-checked against one layer's device tensors."""
+    ) -> ScaleGeometry:
+        """Geometry from the format, cross-checked against one layer's device
+        tensors: one contiguous byte per scale, and whole pages of the layout
+        the format keeps (one page or one token per leading index)."""
         geometry = cls(
             head_num=head_num,
             head_dim=head_dim,
             page_size=page_size,
+            fmt=fmt,
             min_row_bytes=min_row_bytes,
+        )
+        unit, unit_name = (
+            (geometry.page_bytes, f"one page of {geometry.page_bytes} bytes")
+            if fmt.interleaved
+            else (
+                geometry.bytes_per_token,
+                f"one token of {geometry.bytes_per_token} bytes",
+            )
         )
         for side, scale in (("k", k_scale), ("v", v_scale)):
             if scale.element_size() != 1 or not scale.is_contiguous():
                 raise ValueError(
-                    f"{side} scale buffer must be contiguous 1-byte UE8M0, got "
+                    f"{side} scale buffer must be contiguous 1-byte scales, got "
                     f"dtype={scale.dtype} strides={tuple(scale.stride())}"
                 )
-            if math.prod(scale.shape[1:]) != geometry.page_bytes:
+            if (
+                math.prod(scale.shape[1:]) != unit
+                or scale.numel() % geometry.page_bytes
+            ):
                 raise ValueError(
-                    f"{side} scale buffer shape {tuple(scale.shape)} does not hold one "
-                    f"page of {geometry.page_bytes} bytes per leading index; expected "
-                    f"the interleaved layout (pages, {head_num}, 32, "
-                    f"{page_size // 32}, {geometry.sf_dim})"
+                    f"{side} scale buffer shape {tuple(scale.shape)} does not hold "
+                    f"{unit_name} per leading index in whole pages, as "
+                    f"{fmt.name} with {head_num} heads of {head_dim} keeps them"
                 )
         return geometry

@@ -45,7 +45,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+import msgspec
 import torch
+from sglang.kernels.ops.kvcache import hicache as hicache_jit
 from sglang.srt.mem_cache.device_pool_info import KVScaleLayout
 from sglang.srt.mem_cache.pool_host.common import (
     ALLOC_MEMORY_FUNCS,
@@ -57,7 +59,13 @@ from sglang.srt.platforms import current_platform
 from sglang.srt.utils import is_cuda, is_hip
 
 from sglang_mxfp8_hicache import scale_kernel
-from sglang_mxfp8_hicache.geometry import SCALE_ROW_BYTES, MXFP8ScaleGeometry
+from sglang_mxfp8_hicache.geometry import (
+    FORMATS,
+    SCALE_ROW_BYTES,
+    ScaleGeometry,
+    buffer_scale_format,
+    is_packed_fp4,
+)
 from sglang_mxfp8_hicache.scale_kernel import ScaleKernelUnavailable, ScaleRowStrides
 from sglang_mxfp8_hicache.storage import NO_STORAGE, storage_refusal
 
@@ -123,6 +131,16 @@ def doubling_layer_groups(layer_num: int) -> list[range]:
     return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
 
 
+def payload_buffer_info(info: MHABufferInfo, geometry: ScaleGeometry) -> MHABufferInfo:
+    """``info`` as the base class must see it: no scales (they are the
+    sidecar's), and head_dim the payload bytes of one head, as the device rows
+    hold them. For MXFP8 that is head_dim itself; an FP4 pool reports the
+    logical head_dim of a uint8 payload, twice its rows, which would size the
+    host tier and the JIT kernels' rows at twice the real payload."""
+    width = geometry.payload_head_bytes // info.dtype.itemsize
+    return msgspec.structs.replace(info, head_dim=width, v_head_dim=width, scales=None)
+
+
 @dataclass
 class _LoadProgress:
     """What one load transfer has issued so far: its target layers and the
@@ -186,6 +204,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             draft_buffer_infos=draft_buffer_infos,
             pool_label=pool_label,
         )
+        fmt = self.scale_geometry.fmt
         try:
             self._scale_kernel = scale_kernel.build_scale_kernel(
                 self.scale_geometry.row_bytes,
@@ -194,13 +213,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         except ScaleKernelUnavailable as exc:
             raise MXFP8HiCacheConfigError(
-                f"{pool_label}: MXFP8 HiCache: {exc}; run without "
+                f"{pool_label}: {fmt.name} HiCache: {exc}; run without "
                 "--enable-hierarchical-cache."
             ) from exc
         self.scale_host: torch.Tensor | None = None
+        # The scales are ours; the base class sees the payload alone, at its
+        # real width (see payload_buffer_info).
+        self._scaled_infos = (buffer_info, *draft_buffer_infos)
         try:
             super().__init__(
-                buffer_info,
+                payload_buffer_info(buffer_info, self.scale_geometry),
                 host_to_device_ratio,
                 host_size,
                 page_size,
@@ -211,13 +233,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 device_capacity_tokens=device_capacity_tokens,
                 start_layer=start_layer,
                 end_layer=end_layer,
-                draft_buffer_infos=draft_buffer_infos,
+                draft_buffer_infos=tuple(
+                    payload_buffer_info(d, self.scale_geometry)
+                    for d in draft_buffer_infos
+                ),
                 write_back_staging=write_back_staging,
                 pool_label=pool_label,
                 head_group_num=head_group_num,
                 host_token_capacity=host_token_capacity,
             )
-            self._init_scale_transfer(buffer_info)
+            self._init_scale_transfer()
             self.storage_format_tag = self.scale_geometry.storage_format_tag(
                 layer_num=self.layer_num, version=STORAGE_FORMAT_VERSION
             )
@@ -229,10 +254,11 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             raise
         scale_bytes = self.scale_host.numel()
         logger.info(
-            "%s: MXFP8 HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
+            "%s: %s HiCache host pool: %d tokens, payload %.3f GB + scales %.3f GB "
             "(%d B per page and layer for each of K and V), moved in page chunks "
             "of %d B by %s; loads in %d layer groups.",
             pool_label,
+            fmt.name,
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
             scale_bytes / 1e9,
@@ -252,27 +278,42 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         allocator_type: str,
         draft_buffer_infos: Sequence[MHABufferInfo],
         pool_label: str,
-    ) -> MXFP8ScaleGeometry:
-        def refuse(reason: str) -> MXFP8HiCacheConfigError:
-            return MXFP8HiCacheConfigError(f"{pool_label}: MXFP8 HiCache: {reason}")
+    ) -> ScaleGeometry:
+        fmt = buffer_scale_format(buffer_info)
+        name = fmt.name if fmt is not None else "block-scaled"
 
-        scales = buffer_info.scales
-        if scales is None:
+        def refuse(reason: str) -> MXFP8HiCacheConfigError:
+            return MXFP8HiCacheConfigError(f"{pool_label}: {name} HiCache: {reason}")
+
+        if fmt is None:
+            if is_packed_fp4(buffer_info):
+                raise refuse(
+                    "the FP4 device pool reports no per-token scale buffers: its "
+                    "scales are nvfp4's native trtllm_mha layout (SM100), which "
+                    "SGLang keeps outside the buffers a host pool is given, or it "
+                    "has none. A host tier would restore pages without them; use "
+                    "--attention-backend flashinfer (per-token scales), or run "
+                    "without --enable-hierarchical-cache."
+                )
             raise refuse(
-                "the device pool has no scale buffers; this host pool serves "
-                "--kv-cache-dtype mxfp8 only."
+                "the device pool has no scale buffers of a format this host pool "
+                f"serves (--kv-cache-dtype {', '.join(FORMATS)})."
             )
-        if scales.layout != KVScaleLayout.MXFP8_INTERLEAVED:
+        scales = buffer_info.scales
+        interleaved = scales.layout == KVScaleLayout.MXFP8_INTERLEAVED
+        if interleaved != fmt.interleaved:
             raise refuse(
                 f"device scales use the {scales.layout.value!r} layout (page_size "
-                f"{buffer_info.page_size}); HiCache needs the page-interleaved "
-                "layout, set --page-size 128."
+                f"{buffer_info.page_size}). SGLang 0.5.23 builds such MXFP8 pools "
+                "but none of its write paths writes them (set_kv_buffer needs the "
+                "page-interleaved layout of page_size 128), so there is nothing "
+                "to serve; set --page-size 128."
             )
         if page_size != buffer_info.page_size:
             raise refuse(
                 f"host page_size {page_size} != device page_size "
                 f"{buffer_info.page_size}; a host page must hold exactly one device "
-                "page of scales. Leave --page-size at 128 for both."
+                "page of scales. Give both the same --page-size."
             )
         if buffer_info.head_dim != buffer_info.v_head_dim:
             raise refuse(
@@ -294,7 +335,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         if layout != STORAGE_LAYOUT and allocator_type != NO_STORAGE:
             raise refuse(
-                f"L3 storage of MXFP8 pages needs --hicache-mem-layout "
+                f"L3 storage of {name} pages needs --hicache-mem-layout "
                 f"{STORAGE_LAYOUT}, got {layout!r}."
             )
         io_backend = configured_io_backend()
@@ -308,7 +349,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             raise refuse(
                 "--disaggregation-decode-host-receive-threshold < 1 receives KV "
                 "into the host pool, and SGLang's decode side rejects block-scaled "
-                "(MXFP8) KV state there whatever the host pool "
+                f"({name}) KV state there whatever the host pool "
                 "(StateType.BLOCK_SCALE); leave the threshold at 1."
             )
         storage_reason = storage_refusal(allocator_type)
@@ -322,36 +363,53 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         device_rows = (*buffer_info.buffers.k, *buffer_info.buffers.v)
         if not all(buf.is_contiguous() for buf in device_rows):
             raise refuse(
-                "device KV rows are strided (a unified KV pool), which the MXFP8 "
-                "device pool never builds; run without --enable-hierarchical-cache."
+                "device KV rows are strided (a unified KV pool), which no "
+                "block-scaled device pool builds; run without "
+                "--enable-hierarchical-cache."
             )
-        geometry = MXFP8ScaleGeometry.from_device_scales(
+        geometry = ScaleGeometry.from_device_scales(
             scales.k[0],
             scales.v[0],
+            fmt=fmt,
             head_num=buffer_info.head_num,
             head_dim=buffer_info.head_dim,
             page_size=buffer_info.page_size,
             min_row_bytes=cls.scale_min_row_bytes,
         )
+        payload_row = geometry.payload_bytes_per_token
+        if not hicache_jit.can_use_hicache_jit_kernel(
+            element_size=payload_row, page_size=page_size
+        ):
+            raise refuse(
+                f"a token's payload row is {payload_row} B per side and layer "
+                f"({buffer_info.head_num} heads of {geometry.payload_head_bytes} B), "
+                "which SGLang's JIT HiCache kernels do not move (on CUDA, rows of "
+                "whole 128 B groups); "
+                + COMPILED_ONLY.format(ops="transfer_kv_per_layer_pf_lf")
+                + ". Give each rank more KV heads (a lower --tp-size), or run "
+                "without --enable-hierarchical-cache."
+            )
         for depth, draft in enumerate(draft_buffer_infos):
             # Packed MTP/NextN draft layers are tail layers of this pool: their
             # scales travel in the same host rows, so they must be the same.
-            draft_scales = draft.scales
-            if (
-                draft_scales is None
-                or draft_scales.layout != KVScaleLayout.MXFP8_INTERLEAVED
-                or (draft.head_num, draft.head_dim)
-                != (buffer_info.head_num, buffer_info.head_dim)
+            if buffer_scale_format(draft) != fmt or (
+                draft.head_num,
+                draft.head_dim,
+            ) != (
+                buffer_info.head_num,
+                buffer_info.head_dim,
             ):
                 raise refuse(
-                    f"packed draft layer {depth} is not an MXFP8 layer of the "
-                    "target's heads with interleaved scales; give the draft the "
-                    "target's --kv-cache-dtype mxfp8, or drop --speculative-algorithm "
-                    "or --enable-hierarchical-cache."
+                    f"packed draft layer {depth} is not a layer of the target's "
+                    f"format ({name}) and heads; give the draft the target's "
+                    "--kv-cache-dtype "
+                    f"{name}, or drop --speculative-algorithm or "
+                    "--enable-hierarchical-cache."
                 )
-            MXFP8ScaleGeometry.from_device_scales(
-                draft_scales.k[0],
-                draft_scales.v[0],
+            ScaleGeometry.from_device_scales(
+                draft.scales.k[0],
+                draft.scales.v[0],
+                fmt=fmt,
                 head_num=draft.head_num,
                 head_dim=draft.head_dim,
                 page_size=buffer_info.page_size,
@@ -389,7 +447,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     def _load_layer_groups(self) -> list[range]:
         return doubling_layer_groups(self.target_layer_num)
 
-    def _init_scale_transfer(self, buffer_info: MHABufferInfo) -> None:
+    def _init_scale_transfer(self) -> None:
         """Precompute the kernel's pointer tables and strides."""
         geometry = self.scale_geometry
         device = self._transfer_device
@@ -407,7 +465,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             return [buf.data_ptr() for buf in scales]
 
         # Target layers, then packed draft layers, as the base class orders them.
-        infos = self._buffer_infos
+        infos = self._scaled_infos
         layer_bases = (
             host_layers(self.k_scale_host),
             host_layers(self.v_scale_host),
@@ -448,7 +506,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     def _require_kernel_io(io_backend: str) -> None:
         if io_backend != SUPPORTED_IO_BACKEND:
             raise MXFP8HiCacheConfigError(
-                f"MXFP8 HiCache moves scales with the JIT kernels only, got "
+                "block-scaled HiCache moves scales with the JIT kernels only, got "
                 f"io_backend={io_backend!r}; use --hicache-io-backend "
                 f"{SUPPORTED_IO_BACKEND}."
             )
@@ -591,7 +649,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         read target: torch reuses pinned blocks, plain ones fault in afresh)."""
         if not flat:
             raise NotImplementedError(
-                f"{self.pool_label}: an MXFP8 page has no non-flat shape that "
+                f"{self.pool_label}: a {self.scale_geometry.fmt.name} page has no "
+                "non-flat shape that "
                 "holds its scales; only flat pages and get_page_buffer_meta exist."
             )
         page = self.get_dummy_flat_data_page()
@@ -614,7 +673,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         data = data_page.view(-1).view(torch.uint8)
         if data.numel() != payload.numel() + scales.numel():
             raise ValueError(
-                f"{self.pool_label}: flat page of {data.numel()} bytes, an MXFP8 "
+                f"{self.pool_label}: flat page of {data.numel()} bytes, a "
+                f"{self.scale_geometry.fmt.name} "
                 f"page of this pool is {payload.numel() + scales.numel()}: "
                 f"{self.describe_storage_page()}"
             )
@@ -661,6 +721,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor):
         raise NotImplementedError(
-            f"{self.pool_label}: MXFP8 pages cannot be split by heads "
+            f"{self.pool_label}: {self.scale_geometry.fmt.name} pages cannot be "
+            "split by heads "
             "(the page_head layout is not served)"
         )

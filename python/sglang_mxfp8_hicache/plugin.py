@@ -1,11 +1,14 @@
-"""SGLang plugin: route MXFP8 device pools to our HiCache host pool.
+"""SGLang plugin: route block-scaled (MXFP8, FP4) device pools to our HiCache host pool.
 
 SGLang calls ``load_plugins()`` at the start of every process it spawns
 (scheduler, engine, launcher); that loads the ``sglang.srt.plugins`` entry point
 ``mxfp8_hicache`` -> :func:`register`, which hooks
 ``sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls``. The hook answers
-``MHATokenToKVPoolMXFP8Host`` (ours) for an MXFP8 device pool, in place of the
-class SGLang would pick itself, and SGLang's own answer for everything else.
+``MHATokenToKVPoolMXFP8Host`` (ours, one class for every format in
+``geometry.FORMATS``) for a block-scaled device pool, in place of the class
+SGLang would pick itself, and SGLang's own answer for everything else; and it
+refuses, wherever a host stack is built, a device pool whose nvfp4 scales live
+outside what a host pool is given (``refuse_native_fp4_scales``).
 It also hooks SGLang's storage backend factory (see ``storage``): for our pools
 it refuses, by name, a backend that cannot carry MXFP8 pages, and makes a
 stored page of the wrong size a miss on the backends it allows.
@@ -23,7 +26,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from sglang_mxfp8_hicache.geometry import buffer_scale_format, is_packed_fp4
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
@@ -32,13 +37,16 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "SGLANG_MXFP8_HICACHE_DISABLE"
 HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
+HOST_INPUTS_HOOK_TARGET = (
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs"
+)
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
 """The first release with an MXFP8 HiCache host pool of its own; older ones
 (0.5.16-0.5.20 have the MXFP8 device pool) restore pages with stale scales."""
 
 _registered = False
-_logged_choices: set[tuple[str, str]] = set()
+_logged_choices: set[tuple[str, str, str]] = set()
 
 
 def is_disabled() -> bool:
@@ -58,41 +66,67 @@ def sglang_version() -> str | None:
     return __version__
 
 
-def is_mxfp8_buffer_info(buffer_info: MHABufferInfo) -> bool:
-    """An fp8 payload with UE8M0 scales of one byte per 32 elements, in any layout.
+def claims(buffer_info: MHABufferInfo) -> str | None:
+    """Why our class takes this device pool, or None to leave it to SGLang.
 
-    The per-token ('token') layout is claimed too, so that a pool SGLang cannot
-    serve gets our error naming ``--page-size 128`` rather than a generic one.
+    Every block-scaled format is claimed in any layout, and so is an FP4 pool
+    without per-token scales: a pool we cannot serve then gets our error
+    naming the flag (``--page-size 128``, the attention backend) rather than
+    a generic one, or, for FP4 without scales, SGLang's plain class sizing
+    the payload twice over and dropping the scales.
     """
-    import torch
-
-    scales = buffer_info.scales
-    if scales is None or not scales.k:
-        return False
-    return (
-        buffer_info.dtype == torch.float8_e4m3fn
-        and scales.k[0].dtype == torch.float8_e8m0fnu
-        and scales.k[0].shape[-1] == buffer_info.head_dim // 32
-    )
+    fmt = buffer_scale_format(buffer_info)
+    if fmt is not None:
+        return f"{fmt.name} device pool, scales mirrored by sglang-mxfp8-hicache"
+    if is_packed_fp4(buffer_info):
+        return (
+            "FP4 device pool without per-token scales, refused by sglang-mxfp8-hicache"
+        )
+    return None
 
 
 def select_host_pool_cls(
     original: Callable[[MHABufferInfo], type], buffer_info: MHABufferInfo
 ) -> type:
     """AROUND hook on ``get_mha_host_pool_cls``."""
-    if is_mxfp8_buffer_info(buffer_info):
+    reason = claims(buffer_info)
+    if reason is not None:
         from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
         chosen = MHATokenToKVPoolMXFP8Host
-        reason = "MXFP8 device pool, scales mirrored by sglang-mxfp8-hicache"
     else:
         chosen = original(buffer_info)
-        reason = "not an MXFP8 device pool, SGLang's own choice"
-    key = (chosen.__module__, chosen.__qualname__)
+        reason = "not a block-scaled device pool, SGLang's own choice"
+    key = (chosen.__module__, chosen.__qualname__, reason)
     if key not in _logged_choices:
         _logged_choices.add(key)
-        logger.info("HiCache host pool: %s.%s (%s).", *key, reason)
+        logger.info("HiCache host pool: %s.%s (%s).", *key)
     return chosen
+
+
+def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
+    """AROUND hook on the assembler's ``_mha_host_inputs``, where every MHA host
+    pool's inputs are read off its device pool.
+
+    nvfp4 for trtllm_mha on SM100 keeps a second, native copy of its scales
+    (``native_k_scale_buffer``) that ``MHABufferInfo`` does not carry, so no
+    host pool ever sees it: a host tier would restore pages with stale native
+    scales. SGLang's server arguments refuse that combination; this refuses
+    it wherever a stack is built, before any host pool is.
+    """
+    for device_pool in (pool, *drafts):
+        if getattr(device_pool, "native_k_scale_buffer", None) is not None:
+            from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+
+            raise MXFP8HiCacheConfigError(
+                "nvfp4 HiCache: the device pool keeps native trtllm_mha scales "
+                "(SM100) outside the buffers a host pool is given; no host pool "
+                "could restore them, and SGLang has no function that rebuilds "
+                "them from the per-token copy. Use --attention-backend "
+                "flashinfer for both phases, or run without "
+                "--enable-hierarchical-cache."
+            )
+    return original(pool, drafts)
 
 
 def _log_unsupported(found: str | None) -> None:
@@ -148,6 +182,9 @@ def register() -> None:
     from sglang_mxfp8_hicache import storage
 
     HookRegistry.register(HOOK_TARGET, select_host_pool_cls, HookType.AROUND)
+    HookRegistry.register(
+        HOST_INPUTS_HOOK_TARGET, refuse_native_fp4_scales, HookType.AROUND
+    )
     HookRegistry.register(
         storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend, HookType.AROUND
     )

@@ -1,4 +1,4 @@
-"""Host-tier sizing per rank, with and without the MXFP8 scale bytes.
+"""Host-tier sizing per rank, with and without the scale bytes of a block-scaled format.
 
 Follows ``HostKVCache.__init__`` in SGLang 0.5.23: ``--hicache-size`` (decimal GB)
 divided by the bytes per token, else the device token count times
@@ -12,9 +12,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_mxfp8_hicache.geometry import MXFP8_SCALE_BLOCK, MXFP8ScaleGeometry
+from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat, ScaleGeometry
 
 PAGE_SIZE = 128
+"""MXFP8's page size, and the default for the others."""
+SMALLEST_SCALE_BLOCK = min(f.sf_block for f in FORMATS.values())
+SCALED_HEAD_DIMS = "a multiple of the scale block: " + ", ".join(
+    f"{f.sf_block} for {f.name}" for f in FORMATS.values()
+)
 MLA_CONFIG_KEYS = ("kv_lora_rank", "qk_rope_head_dim")
 """Keys of a latent-attention config (DeepSeek-V2/V3, Kimi K2): SGLang gives such
 models an MLA KV pool, which MXFP8 HiCache does not serve."""
@@ -40,13 +45,12 @@ def _positive_int(value: object, name: str) -> int:
     return value
 
 
-def _mxfp8_head_dim(value: object, name: str) -> int:
+def _scaled_head_dim(value: object, name: str) -> int:
+    """A head_dim some block-scaled format can hold: whole scale blocks of the
+    smallest block; the format's own block is checked by :func:`host_plan`."""
     head_dim = _positive_int(value, name)
-    if head_dim % MXFP8_SCALE_BLOCK:
-        raise SizingError(
-            f"{name} must be a multiple of {MXFP8_SCALE_BLOCK} (MXFP8 keeps one scale "
-            f"byte per {MXFP8_SCALE_BLOCK} elements), got {head_dim}"
-        )
+    if head_dim % SMALLEST_SCALE_BLOCK:
+        raise SizingError(f"{name} must be {SCALED_HEAD_DIMS}, got {head_dim}")
     return head_dim
 
 
@@ -65,7 +69,7 @@ class ModelGeometry:
     def __post_init__(self) -> None:
         _positive_int(self.layers, "layers")
         _positive_int(self.kv_heads, "kv_heads")
-        _mxfp8_head_dim(self.head_dim, "head_dim")
+        _scaled_head_dim(self.head_dim, "head_dim")
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> ModelGeometry:
@@ -101,7 +105,7 @@ class ModelGeometry:
             if config.get(key) is not None:
                 raise SizingError(
                     f"{key} {config[key]!r} marks an MLA model (latent KV, as "
-                    "DeepSeek-V3); MXFP8 HiCache serves MHA KV pools only"
+                    "DeepSeek-V3); block-scaled HiCache serves MHA KV pools only"
                 )
         layers = _config_count(config, "num_hidden_layers")
         heads = _config_count(config, "num_attention_heads")
@@ -109,10 +113,10 @@ class ModelGeometry:
         if config.get("num_key_value_heads") is not None:
             kv_heads = _config_count(config, "num_key_value_heads")
         if config.get("head_dim") is not None:
-            head_dim = _mxfp8_head_dim(config["head_dim"], "head_dim")
+            head_dim = _scaled_head_dim(config["head_dim"], "head_dim")
         elif config.get("hidden_size") is not None:
             hidden = _config_count(config, "hidden_size")
-            head_dim = _mxfp8_head_dim(
+            head_dim = _scaled_head_dim(
                 hidden // heads,
                 f"head_dim (hidden_size {hidden} // num_attention_heads {heads})",
             )
@@ -178,10 +182,23 @@ def host_plan(
     device_tokens: int,
     hicache_ratio: float = 2.0,
     hicache_size_gb: float = 0.0,
+    fmt: ScaleFormat = MXFP8,
+    page_size: int = PAGE_SIZE,
 ) -> HostPlan:
+    """``fmt``'s host tier for ``model``: payload and scale bytes from the
+    same geometry the host pool uses."""
     heads = model.kv_heads_per_rank(tp_size)
-    scales = MXFP8ScaleGeometry(
-        head_num=heads, head_dim=model.head_dim, page_size=PAGE_SIZE
+    if model.head_dim % fmt.sf_block:
+        raise SizingError(
+            f"head_dim must be a multiple of {fmt.sf_block} ({fmt.name} keeps one "
+            f"scale byte per {fmt.sf_block} elements), got {model.head_dim}"
+        )
+    if fmt.interleaved and page_size != PAGE_SIZE:
+        raise SizingError(
+            f"{fmt.name} HiCache needs --page-size {PAGE_SIZE}, got {page_size}"
+        )
+    scales = ScaleGeometry(
+        head_num=heads, head_dim=model.head_dim, page_size=page_size, fmt=fmt
     )
     payload = 2 * scales.payload_bytes_per_token * model.layers
     scale = 2 * scales.bytes_per_token * model.layers
@@ -192,6 +209,7 @@ def host_plan(
             device_tokens=device_tokens,
             hicache_ratio=hicache_ratio,
             hicache_size_gb=hicache_size_gb,
+            page_size=page_size,
         )
 
     return HostPlan(

@@ -18,8 +18,8 @@ from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 class UncheckedIndicesHost(MHATokenToKVPoolMXFP8Host):
     """Our kernel without its checks of GPU-resident token indices."""
 
-    def _init_scale_transfer(self, buffer_info) -> None:
-        super()._init_scale_transfer(buffer_info)
+    def _init_scale_transfer(self) -> None:
+        super()._init_scale_transfer()
         self._scale_kernel = scale_kernel.ScaleRowKernel(
             self.scale_geometry.row_bytes, check_gpu_indices=False
         )
@@ -63,8 +63,8 @@ class LoadWalkLayersHost(MHATokenToKVPoolMXFP8Host):
 class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
     """Ours as first shipped: staged D2H, one single-layer gather per layer for H2D."""
 
-    def _init_scale_transfer(self, buffer_info) -> None:
-        super()._init_scale_transfer(buffer_info)
+    def _init_scale_transfer(self) -> None:
+        super()._init_scale_transfer()
         self.device_k_scale_ptrs, self.device_v_scale_ptrs = self._backup_tables[2:]
         page_bytes = self.scale_geometry.page_bytes
         # The first version's host layout: one page row per layer.
@@ -79,12 +79,12 @@ class StagedScalesHost(MHATokenToKVPoolMXFP8Host):
         # Target layers, then packed draft layers, as the host rows hold them.
         self.device_k_rows = [
             s.view(torch.uint8).view(-1, page_bytes)
-            for info in self._buffer_infos
+            for info in self._scaled_infos
             for s in info.scales.k
         ]
         self.device_v_rows = [
             s.view(torch.uint8).view(-1, page_bytes)
-            for info in self._buffer_infos
+            for info in self._scaled_infos
             for s in info.scales.v
         ]
 

@@ -28,8 +28,15 @@ from pathlib import Path
 from typing import NoReturn
 
 from sglang_mxfp8_hicache import __version__
-from sglang_mxfp8_hicache.geometry import MXFP8_SCALE_BLOCK
-from sglang_mxfp8_hicache.sizing import PAGE_SIZE, ModelGeometry, SizingError, host_plan
+from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
+from sglang_mxfp8_hicache.sizing import (
+    PAGE_SIZE,
+    SCALED_HEAD_DIMS,
+    SMALLEST_SCALE_BLOCK,
+    ModelGeometry,
+    SizingError,
+    host_plan,
+)
 
 PROG = "sglang-mxfp8-hicache"
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
@@ -328,6 +335,8 @@ def cmd_size(args: argparse.Namespace) -> int:
         device_tokens=args.device_tokens,
         hicache_ratio=args.hicache_ratio,
         hicache_size_gb=args.hicache_size,
+        fmt=FORMATS[args.kv_cache_dtype],
+        page_size=args.page_size,
     )
     if args.json:
         print(
@@ -348,19 +357,20 @@ def cmd_size(args: argparse.Namespace) -> int:
     )
     print(
         f"per rank: {model.layers} layers, {plan.kv_heads_per_rank} KV heads x "
-        f"{model.head_dim} (TP {args.tp_size}), page_size {PAGE_SIZE}, {sizing}"
+        f"{model.head_dim} (TP {args.tp_size}), --kv-cache-dtype "
+        f"{args.kv_cache_dtype}, page_size {args.page_size}, {sizing}"
     )
     print_table(
         ["", "bytes/token", "host tokens", "host GB"],
         [
             [
-                "fp8 payload only",
+                "payload only",
                 str(plan.payload_bytes_per_token),
                 str(plan.host_tokens_without_scales),
                 f"{plan.host_bytes_without_scales / 1e9:.3f}",
             ],
             [
-                "MXFP8 with scales",
+                f"{args.kv_cache_dtype} with scales",
                 str(plan.bytes_per_token),
                 str(plan.host_tokens),
                 f"{plan.host_bytes / 1e9:.3f}",
@@ -535,6 +545,15 @@ def mxfp8_head_dim(text: str) -> int:
     return head_dim
 
 
+def scaled_head_dim(text: str) -> int:
+    """Whole scale blocks of the smallest format's block; ``size`` checks the
+    chosen format's own."""
+    head_dim = _int(text, SCALED_HEAD_DIMS, 1)
+    if head_dim % SMALLEST_SCALE_BLOCK:
+        raise argparse.ArgumentTypeError(f"must be {SCALED_HEAD_DIMS}, got {text}")
+    return head_dim
+
+
 def finite_non_negative(text: str) -> float:
     """``float()`` takes ``nan`` and ``inf``, which would size nothing or overflow."""
     try:
@@ -669,10 +688,23 @@ def build_parser() -> argparse.ArgumentParser:
     size = sub.add_parser(
         "size",
         formatter_class=raw,
-        help="host-tier bytes and tokens per rank, with and without the MXFP8 scales",
+        help="host-tier bytes and tokens per rank, with and without the scales",
         description="Host-tier size per rank as SGLang's HostKVCache computes it,\n"
-        "with and without the MXFP8 scale bytes. Give the model as --config,\n"
-        "or as --layers, --kv-heads and --head-dim.",
+        "with and without the scale bytes of --kv-cache-dtype. Give the model as\n"
+        "--config, or as --layers, --kv-heads and --head-dim.",
+    )
+    size.add_argument(
+        "--kv-cache-dtype",
+        choices=list(FORMATS),
+        default="mxfp8",
+        help="the block-scaled format (default: %(default)s)",
+    )
+    size.add_argument(
+        "--page-size",
+        type=positive_int,
+        metavar="N",
+        default=PAGE_SIZE,
+        help=f"tokens per page; mxfp8 needs {PAGE_SIZE} (default: %(default)s)",
     )
     size.add_argument(
         "--config", metavar="PATH", help="the model's Hugging Face config.json"
@@ -685,9 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.add_argument(
         "--head-dim",
-        type=mxfp8_head_dim,
+        type=scaled_head_dim,
         metavar="N",
-        help=f"a multiple of {MXFP8_SCALE_BLOCK}",
+        help=SCALED_HEAD_DIMS,
     )
     size.add_argument(
         "--tp-size",

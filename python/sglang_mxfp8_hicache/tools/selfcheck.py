@@ -54,16 +54,17 @@ def build_device_pool(
     page_size: int = PAGE_SIZE,
     v_head_dim: int | None = None,
     payload_dtype: torch.dtype | None = None,
+    kv_cache_dtype: str = "mxfp8",
 ) -> MHATokenToKVPoolMXFP8:
-    """SGLang's own MXFP8 device pool, or with ``payload_dtype`` its plain MHA
-    pool of that dtype (no scales); page 0 is its padding page."""
+    """The device pool SGLang builds for ``kv_cache_dtype`` (``mxfp8``, or an
+    FP4 recipe: ``MHATokenToKVPool`` with that quant method, as the
+    configurator builds it), or with ``payload_dtype`` its plain MHA pool of
+    that dtype (no scales); page 0 is its padding page."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
-    cls = MHATokenToKVPoolMXFP8 if payload_dtype is None else MHATokenToKVPool
-    return cls(
+    common = dict(
         size=pages * page_size,
         page_size=page_size,
-        dtype=payload_dtype or torch.float8_e4m3fn,
         head_num=head_num,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
@@ -71,6 +72,37 @@ def build_device_pool(
         device=device,
         enable_memory_saver=False,
     )
+    if payload_dtype is not None:
+        return MHATokenToKVPool(dtype=payload_dtype, **common)
+    if kv_cache_dtype == "mxfp8":
+        return MHATokenToKVPoolMXFP8(dtype=torch.float8_e4m3fn, **common)
+    return MHATokenToKVPool(
+        dtype=torch.float4_e2m1fn_x2,
+        quant_method=fp4_quant_method(
+            kv_cache_dtype, layer_num=layer_num, page_size=page_size, device=device
+        ),
+        **common,
+    )
+
+
+FP4_ATTENTION_BACKENDS = ("flashinfer", "flashinfer")
+"""(prefill, decode) an FP4 pool is configured for: nvfp4's per-token scales
+(its FlashInfer access); fp4_mx_block16 has per-token scales for every backend."""
+
+
+def fp4_quant_method(name: str, *, layer_num: int, page_size: int, device: str):
+    """SGLang's quant method for an FP4 recipe, configured as the
+    configurator does for ``FP4_ATTENTION_BACKENDS`` (``_build_fp4_quant_method``,
+    less the checkpoint's scales: nvfp4's per-layer global scales stay 1)."""
+    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
+        get_kv_cache_quant_method,
+    )
+
+    method = get_kv_cache_quant_method(
+        name, num_layers=layer_num, device=device, page_size=page_size
+    )
+    method.configure_attention_backends(*FP4_ATTENTION_BACKENDS)
+    return method
 
 
 def build_host_pool(
