@@ -53,7 +53,7 @@ def assert_exact(verdict: dict) -> None:
     assert verdict["dequantized_max_diff"] == 0.0, verdict
     assert verdict["untouched_pages_kept"], verdict
     if verdict["write_path"].startswith("set_kv_buffer"):
-        assert verdict["quantized_within_mxfp8_error"], verdict
+        assert verdict["quantized_within_error"], verdict
 
 
 def assert_control_loses_scales(verdict: dict) -> None:

@@ -606,10 +606,10 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
 
 def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     """``install_emulation`` for whole stacks that SGLang's assembler builds
-    (``tools.e2e`` on the CPU): every MXFP8 device pool and host pool
+    (``tools.e2e`` on the CPU): every block-scaled device pool and host pool
     registers its buffers with the pointer map as it is built, and pinned
     host memory is plain memory (no cudaHostRegister on a CPU-only torch)."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
     from sglang.srt.mem_cache.pool_host import base, common
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -646,6 +646,19 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
         "__init__",
         registering(
             MHATokenToKVPoolMXFP8.__init__, lambda pool, _: device_buffers(pool)
+        ),
+    )
+    # FP4 pools are SGLang's plain MHA pool with a quant method.
+    monkeypatch.setattr(
+        MHATokenToKVPool,
+        "__init__",
+        registering(
+            MHATokenToKVPool.__init__,
+            lambda pool, _: (
+                device_buffers(pool)
+                if type(pool) is MHATokenToKVPool and pool.k_scale_buffer is not None
+                else []
+            ),
         ),
     )
     monkeypatch.setattr(

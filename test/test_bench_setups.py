@@ -68,11 +68,14 @@ def cpu_bench(cpu_kernels, monkeypatch) -> list[tuple[type, str, int]]:
         pytest.param("page_first", "page_first", 0, id="page_first"),
         pytest.param("draft", "page_first", DRAFTS, id="draft"),
         pytest.param("layer_first", "layer_first", 0, id="layer_first"),
+        pytest.param("fp4_mx_block16", "page_first", 0, id="fp4_mx_block16"),
+        pytest.param("nvfp4", "page_first", 0, id="nvfp4"),
     ],
 )
 def test_setup_rows(cpu_bench, name, layout, drafts):
     """Every column's pool built for the setup; SGLang's MXFP8 class refuses
-    packed drafts and layer_first: 'refused' cells, no bound on ours, no crash."""
+    packed drafts, layer_first and FP4 pools: 'refused' cells, no bound on
+    ours, no crash."""
     classes = bench.host_classes()
     if "sglang" not in classes:
         pytest.skip("this SGLang has no MXFP8 host class")

@@ -37,7 +37,7 @@ def test_restore_is_exact(verdicts, mode):
     assert v["dequantized_max_diff"] == 0.0, v
     assert v["untouched_pages_kept"], v
     if v["write_path"].startswith("set_kv_buffer"):
-        assert v["quantized_within_mxfp8_error"], v
+        assert v["quantized_within_error"], v
 
 
 def test_host_classes(verdicts):
@@ -70,7 +70,7 @@ def _assert_l3_exact(v: dict, backend: str) -> None:
     assert l3["backend"] == backend
     # The refused backend named itself and left the controller as it was.
     assert (
-        "--hicache-storage-backend nixl cannot store MXFP8 pages"
+        "--hicache-storage-backend nixl cannot store mxfp8 pages"
         in l3["refused_attach"]
     )
     assert l3["refusal_left_controller_clean"]
@@ -95,11 +95,13 @@ OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 
 @pytest.mark.parametrize("setup", [s for s in SETUPS if s != "kv"])
 def test_setup_restores_exactly(verdicts, setup):
-    """Issue 11's setups with the real kernels: real MXFP8 from set_kv_buffer,
+    """Issue 11's and 12's setups with the real kernels: real KV from set_kv_buffer,
     dequantized difference 0; the payload-only control loses the scales."""
     v = verdicts[f"{setup}:ours"]
     assert_exact(v)
-    assert v["write_path"].startswith("set_kv_buffer"), v["write_path"]
+    # nvfp4's quantizer needs Blackwell: on Hopper its pages are random bytes.
+    if setup != "nvfp4":
+        assert v["write_path"].startswith("set_kv_buffer"), v["write_path"]
     assert {k: c for k, c in v["host_classes"].items() if k != "mamba"} == {
         k: OURS for k in v["host_classes"] if k != "mamba"
     }
@@ -116,6 +118,14 @@ def test_setup_cross_check_with_sglang_class(verdicts, setup):
     assert ours["restored_sha256"] == sglang["restored_sha256"]
 
 
-@pytest.mark.parametrize("setup", ["draft", "layer_first"])
-def test_sglang_class_refuses(verdicts, setup):
-    assert "NotImplementedError" in verdicts[f"{setup}:sglang"]["error"]
+@pytest.mark.parametrize(
+    "setup, error",
+    [
+        ("draft", "NotImplementedError"),
+        ("layer_first", "NotImplementedError"),
+        ("fp4_mx_block16", "scale layout 'token'"),
+        ("nvfp4", "scale layout 'token'"),
+    ],
+)
+def test_sglang_class_refuses(verdicts, setup, error):
+    assert error in verdicts[f"{setup}:sglang"]["error"]

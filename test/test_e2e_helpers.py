@@ -8,7 +8,13 @@ from sglang.kernels.ops.quantization.mxfp8_amd_gfx95 import (
 )
 
 from sglang_mxfp8_hicache.tools.bench import Row
-from sglang_mxfp8_hicache.tools.e2e import dequantize, token_scales, within_mxfp8_error
+from sglang_mxfp8_hicache.tools.e2e import (
+    DeviceLayer,
+    dequantize,
+    dequantize_slots,
+    token_scales,
+    within_quantization_error,
+)
 from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool, fill_random
 
 
@@ -29,16 +35,60 @@ def test_dequantize_and_error_bound_catch_a_wrong_scale():
     )
     values, scales = sglang_reference_quantize(x)
     deq = dequantize(values, scales)
-    assert within_mxfp8_error(x.float(), deq, scales)
     # 2^(scale - 127): a scale byte of 127 is 1.0, 130 is 8.0.
     one = torch.ones(1, 32, dtype=torch.float8_e4m3fn)
     assert torch.equal(
         dequantize(one, torch.tensor([[130]], dtype=torch.uint8)),
         torch.full((1, 32), 8.0),
     )
+    # The same through a pool: scales at slots 128.. of the interleaved layout.
+    pool = build_device_pool(
+        head_num=4, head_dim=128, layer_num=1, pages=1, device="cpu"
+    )
+    slots = torch.arange(128, 192)
+    pool.k_buffer[0][slots] = values
+    page = pool.k_scale_buffer[0].view(torch.uint8)[1]  # (H, 32, 4, D/32)
+    offset = slots - 128
+    page[:, offset % 32, offset // 32, :] = scales.view(torch.uint8).transpose(0, 1)
+    layer = DeviceLayer(pool, 0)
+    deq_pool = dequantize_slots(layer, pool.k_buffer[0], pool.k_scale_buffer[0], slots)
+    assert torch.equal(deq_pool, deq)
+    k_scales = pool.k_scale_buffer[0]
+    assert within_quantization_error(layer, x.float(), deq, k_scales, slots)
     wrong = scales.clone()
     wrong[0, 0, 0] += 1
-    assert not within_mxfp8_error(x.float(), dequantize(values, wrong), wrong)
+    deq_wrong = dequantize(values, wrong)
+    assert not within_quantization_error(layer, x.float(), deq_wrong, k_scales, slots)
+
+
+def test_fp4_dequantize_and_error_bound_catch_a_wrong_scale():
+    """fp4_mx_block16 written by SGLang's own set_kv_buffer, read back through
+    its quant method: within one block scale of the input, and not with one
+    scale byte off."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    pool = build_device_pool(
+        head_num=4,
+        head_dim=128,
+        layer_num=1,
+        pages=1,
+        device="cpu",
+        kv_cache_dtype="fp4_mx_block16",
+    )
+    gen = torch.Generator().manual_seed(3)
+    k, v = (
+        (torch.randn(64, 4, 128, generator=gen) * 3).to(torch.bfloat16) for _ in "kv"
+    )
+    slots = torch.randperm(128, generator=gen)[:64] + 128
+    pool.set_kv_buffer(RadixAttention(8, 128, 1.0, 4, layer_id=0), slots, k, v)
+    layer = DeviceLayer(pool, 0)
+    scales = pool.k_scale_buffer[0]
+    deq = dequantize_slots(layer, pool.k_buffer[0], scales, slots)
+    assert deq.shape == k.shape and (deq != 0).any()
+    assert within_quantization_error(layer, k.float(), deq, scales, slots)
+    scales[slots[0], 0] += 1
+    deq_wrong = dequantize_slots(layer, pool.k_buffer[0], scales, slots)
+    assert not within_quantization_error(layer, k.float(), deq_wrong, scales, slots)
 
 
 def test_bench_goal_needs_ratio_and_not_slower_than_sglang():

@@ -225,7 +225,7 @@ def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool, backend
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match=f"--hicache-storage-backend {backend} cannot store MXFP8 pages",
+        match=f"--hicache-storage-backend {backend} cannot store mxfp8 pages",
     ):
         MHATokenToKVPoolMXFP8Host(
             info,

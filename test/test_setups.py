@@ -10,6 +10,9 @@ layers 0 and 1); ``sidecar_draft``: a two-layer draft in its own host pool
 pool beside Mamba2 state through SGLang's strategy and
 ``build_hybrid_mamba_stack``. In both hybrids full attention is at layers 3
 and 7 of 8, so the full pool's first layer loads in transfer iteration 3.
+``fp4_mx_block16`` and ``nvfp4``: the plain KV stack of that FP4 KV cache;
+fp4_mx_block16 is written by SGLang's own set_kv_buffer (its quantizer is torch
+code), nvfp4's quantizer needs Blackwell, so its pages are random bytes.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def test_setups_cover_their_layers(verdicts):
         "layer_first": 4,
         "hybrid_swa": 8,
         "mamba": 2,
+        "fp4_mx_block16": 4,
+        "nvfp4": 4,
     }
     host_classes = {
         setup: set(verdicts[_key(setup, "ours")]["host_classes"])

@@ -235,6 +235,47 @@ def test_round_trip(device, make_pools, open_io, pages):
     stored.check(pages)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp4_mx_block16", "nvfp4"])
+def test_round_trip_fp4(device, make_pools, open_io, kv_cache_dtype):
+    """FP4 pages: the same page format, payload at its real width, tagged by recipe."""
+    _, host = make_pools(
+        heads=8, head_dim=128, layers=3, pages=5, kv_cache_dtype=kv_cache_dtype
+    )
+    assert host.storage_format_tag.startswith(f"{kv_cache_dtype}v1-l3h8d128p128")
+    assert host.storage_part_bytes == (3 * 128 * 8 * 64, 3 * 128 * 8 * 8)
+    stored = Stored(open_io(host), pages=5, seed=7)
+    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert stored.fetch() == 5
+    stored.check(5)
+
+
+@on_cpu
+@pytest.mark.parametrize(
+    "theirs, ours",
+    [("nvfp4", "fp4_mx_block16"), ("fp4_mx_block16", "nvfp4"), ("nvfp4", "mxfp8")],
+    ids=lambda f: f"wrong_format-{f}",
+)
+def test_pages_of_another_recipe_never_load(make_pools, open_io, theirs, ours):
+    """Same model, same tokens: nvfp4 and fp4_mx_block16 pages of one geometry
+    have the same bytes per page, and only the key tag tells them apart."""
+    _, their_host = make_pools(
+        heads=2, head_dim=128, layers=2, pages=4, kv_cache_dtype=theirs
+    )
+    _, our_host = make_pools(
+        heads=2, head_dim=128, layers=2, pages=4, kv_cache_dtype=ours
+    )
+    if ours != "mxfp8":
+        assert their_host.storage_part_bytes == our_host.storage_part_bytes
+    # One model name for both pools, and for this test only: the Mooncake
+    # store outlives the test.
+    model = f"shared-{uuid.uuid4().hex[:8]}"
+    stored = Stored(open_io(their_host, model), pages=3)
+    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    mine = open_io(our_host, model)
+    assert mine.hit_query(stored.tokens) == []
+    assert mine.fetch(stored.hashes, page_token_indices(torch.arange(3))) == 0
+
+
 def test_mooncake_pointers_lie_in_registered_buffers(
     make_pools, storage_hooks, mooncake, monkeypatch
 ):
@@ -418,7 +459,7 @@ def test_factory_refuses_backend_by_name(make_pools, storage_hooks, name):
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match=f"--hicache-storage-backend {name} cannot store MXFP8 pages",
+        match=f"--hicache-storage-backend {name} cannot store mxfp8 pages",
     ):
         StoragePageIO.open(name, host)
 

@@ -1,4 +1,5 @@
-"""L3 storage of MXFP8 pages: which SGLang backends may carry them, and a size check.
+"""L3 storage of block-scaled pages (MXFP8, FP4): which SGLang backends may carry
+them, and a size check.
 
 The page format itself is the host pool's (``get_page_buffer_meta``,
 ``get_data_page``, ``storage_format_tag``; docs/design.md). This module hooks
@@ -64,13 +65,13 @@ REFUSED_STORAGE_BACKENDS: dict[str, str] = {
 TESTED_MOONCAKE = "0.3.13.post1"
 
 
-def storage_refusal(backend: str) -> str | None:
-    """Why ``backend`` cannot carry MXFP8 pages, or None if it can."""
+def storage_refusal(backend: str, fmt_name: str = "mxfp8") -> str | None:
+    """Why ``backend`` cannot carry ``fmt_name`` pages, or None if it can."""
     if backend in (NO_STORAGE, *SUPPORTED_STORAGE_BACKENDS):
         return None
     reason = REFUSED_STORAGE_BACKENDS.get(backend, "it is not one SGLang 0.5.23 offers")
     return (
-        f"--hicache-storage-backend {backend} cannot store MXFP8 pages: {reason}. "
+        f"--hicache-storage-backend {backend} cannot store {fmt_name} pages: {reason}. "
         f"Use one of {', '.join(SUPPORTED_STORAGE_BACKENDS)}, or run without "
         "--hicache-storage-backend."
     )
@@ -98,20 +99,22 @@ def guard_storage_backend(
     if not isinstance(mem_pool_host, MHATokenToKVPoolMXFP8Host):
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
-    reason = storage_refusal(backend_name)
+    name = pool.scale_geometry.fmt.name
+    reason = storage_refusal(backend_name, name)
     if reason is None and pool.layout != STORAGE_LAYOUT:
         reason = (
-            f"L3 storage of MXFP8 pages needs --hicache-mem-layout {STORAGE_LAYOUT}, "
+            f"L3 storage of {name} pages needs --hicache-mem-layout {STORAGE_LAYOUT}, "
             f"the host pool is {pool.layout!r}"
         )
     if reason is not None:
-        raise MXFP8HiCacheConfigError(f"{pool.pool_label}: MXFP8 HiCache: {reason}")
+        raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, pool, **kwargs)
     _guard_reads(backend, backend_name)
     logger.info(
-        "%s: MXFP8 pages go to L3 backend %r as %s, key tag %r; a stored page of "
+        "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
         "another size is a miss.",
         pool.pool_label,
+        name,
         backend_name,
         pool.describe_storage_page(),
         pool.storage_format_tag,
@@ -155,7 +158,7 @@ def _leading_good_pages(wrong: list[WrongPage], pages: int) -> int:
         return pages
     first, key, found, expected = wrong[0]
     logger.warning(
-        "MXFP8 L3: %d of %d pages in this batch are missing a part or have the "
+        "L3: %d of %d pages in this batch are missing a part or have the "
         "wrong size; they and the pages after the first of them are treated as "
         "not in L3 (first: %s, %d bytes, expected %d).",
         len(wrong),

@@ -7,7 +7,8 @@ median of ``repeat`` runs) for:
 - ``ours``: :class:`MHATokenToKVPoolMXFP8Host`;
 - ``sglang``: SGLang's own MXFP8 host pool, when the installed SGLang has one;
 - ``payload``: SGLang's ``MHATokenToKVPoolHost`` on the same device pool, which
-  moves the fp8 payload only (the floor any MXFP8 pool is compared with);
+  moves the payload only (the floor any scaled pool is compared with; for FP4
+  given the payload at its real width, ``selfcheck.PayloadOnlyHost``);
 - ``raw``: one pinned ``copy_`` of as many bytes as payload plus scales;
 - on request, the ablations of :mod:`.ablations`: ours with one design choice
   undone, to measure what that choice is worth.
@@ -27,7 +28,9 @@ Setups (:class:`Setup`), each with host pools of its own:
   (``draft_buffer_infos``). The backup covers them; a load issues draft depth
   ``d`` with ``is_draft`` right after target layer ``d``, in the same loop, as
   SGLang's ``HybridCacheController`` does (:func:`draft_depths_after`);
-- ``layer_first``: host payload in ``--hicache-mem-layout layer_first``.
+- ``layer_first``: host payload in ``--hicache-mem-layout layer_first``;
+- ``fp4_mx_block16``, ``nvfp4``: ``page_first`` over that FP4 KV cache (SGLang's
+  own classes refuse it).
 
 A class that refuses a setup (SGLang's MXFP8 class takes neither packed drafts
 nor ``layer_first``) gets ``None`` for its cells: "refused" in the tables.
@@ -41,13 +44,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+from sglang_mxfp8_hicache.geometry import FORMATS, ScaleGeometry
+from sglang_mxfp8_hicache.host_pool import (
+    MHATokenToKVPoolMXFP8Host,
+    MXFP8HiCacheConfigError,
+)
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.selfcheck import (
     IO_BACKEND,
     PAGE_SIZE,
+    PayloadOnlyHost,
     backup_host_indices,
     build_device_pool,
     build_host_pool,
@@ -64,7 +71,8 @@ MAX_POOL_BYTES = 10 * 2**30
 BACKUP_GOALS = ((64, 1.04), (1, 1.15))
 LOAD_GOALS = ((64, 1.05), (16, 1.25), (1, 1.5))
 LAYER0_GOALS = ((64, 1.10),)
-SETUPS = ("page_first", "draft", "layer_first")
+FP4_SETUPS = tuple(name for name in FORMATS if name != "mxfp8")
+SETUPS = ("page_first", "draft", "layer_first", *FP4_SETUPS)
 DEFAULT_DRAFTS = 1
 """Draft layers of the ``draft`` setup: one, as DeepSeek-V3's MTP module."""
 REFUSED = "refused"
@@ -78,6 +86,7 @@ class Setup:
     name: str = "page_first"
     layout: str = "page_first"
     drafts: int = 0
+    kv_cache_dtype: str = "mxfp8"
 
 
 def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
@@ -87,6 +96,7 @@ def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
         "page_first": Setup(),
         "draft": Setup("draft", drafts=drafts),
         "layer_first": Setup("layer_first", layout="layer_first"),
+        **{name: Setup(name, kv_cache_dtype=name) for name in FP4_SETUPS},
     }
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -274,21 +284,33 @@ def host_classes(ablations: Sequence[str] = ()) -> dict[str, type]:
         "ours": MHATokenToKVPoolMXFP8Host,
         **{name: ABLATIONS[name] for name in ablations},
         "sglang": sglang_mxfp8_host_cls(),
-        "payload": MHATokenToKVPoolHost,
+        "payload": PayloadOnlyHost,
     }
     return {name: cls for name, cls in classes.items() if cls is not None}
 
 
-def bytes_per_page(heads: int, head_dim: int, layers: int) -> int:
-    """K and V, fp8 payload and one scale byte per 32, every layer: one page."""
-    return 2 * layers * PAGE_SIZE * heads * (head_dim + head_dim // 32)
+def bytes_per_page(
+    heads: int, head_dim: int, layers: int, kv_cache_dtype: str = "mxfp8"
+) -> int:
+    """K and V, payload and scales, every layer: one page of the format."""
+    geometry = ScaleGeometry(
+        head_num=heads,
+        head_dim=head_dim,
+        page_size=PAGE_SIZE,
+        fmt=FORMATS[kv_cache_dtype],
+    )
+    per_token = geometry.payload_bytes_per_token + geometry.bytes_per_token
+    return 2 * layers * PAGE_SIZE * per_token
 
 
 def pages_that_fit(
-    geometry: tuple[int, int, int], pages_list, drafts: int = 0
+    geometry: tuple[int, int, int],
+    pages_list,
+    drafts: int = 0,
+    kv_cache_dtype: str = "mxfp8",
 ) -> tuple[int, ...]:
     heads, head_dim, layers = geometry
-    page_bytes = bytes_per_page(heads, head_dim, layers + drafts)
+    page_bytes = bytes_per_page(heads, head_dim, layers + drafts, kv_cache_dtype)
     return tuple(p for p in pages_list if p * page_bytes <= MAX_POOL_BYTES)
 
 
@@ -316,6 +338,7 @@ def bench_geometry(
             layer_num=layer_num,
             pages=max(pages_list),
             device=device,
+            kv_cache_dtype=setup.kv_cache_dtype,
         )
         for layer_num in (layers, *[1] * setup.drafts)
     )
@@ -332,10 +355,16 @@ def bench_geometry(
                     drafts=drafts,
                     layout=setup.layout,
                 )
-            except NotImplementedError:  # SGLang's way to refuse a setup
+            except (NotImplementedError, ValueError) as exc:
+                # SGLang's ways to refuse a setup (FP4: its 'token' ValueError);
+                # ours refusing is a failed run.
+                if isinstance(exc, MXFP8HiCacheConfigError):
+                    raise
                 hosts[name] = None
         live = {name: host for name, host in hosts.items() if host is not None}
-        page_bytes = bytes_per_page(heads, head_dim, layers + setup.drafts)
+        page_bytes = bytes_per_page(
+            heads, head_dim, layers + setup.drafts, setup.kv_cache_dtype
+        )
         gen = torch.Generator().manual_seed(0)
         for pages in pages_list:
             for direction, fns in _transfers(
@@ -377,7 +406,7 @@ def run(
     """Every geometry in every setup at every batch that fits :data:`MAX_POOL_BYTES`."""
     classes = classes or host_classes()
     plan = [
-        (g, s, pages_that_fit(g, pages_list, s.drafts))
+        (g, s, pages_that_fit(g, pages_list, s.drafts, s.kv_cache_dtype))
         for g in geometries
         for s in setups
     ]

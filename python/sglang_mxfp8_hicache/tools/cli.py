@@ -214,10 +214,7 @@ def _check_e2e() -> tuple[str, str]:
         and v["scales_restored"]
         and v["untouched_pages_kept"]
         and v["dequantized_max_diff"] == 0.0
-        and (
-            v["quantized_within_mxfp8_error"]
-            or not v["write_path"].startswith("set_kv")
-        )
+        and (v["quantized_within_error"] or not v["write_path"].startswith("set_kv"))
         for v in (ours, sglang)
     )
     agree = ours["restored_sha256"] == sglang["restored_sha256"]
@@ -231,6 +228,42 @@ def _check_e2e() -> tuple[str, str]:
         else "payload-only control did NOT lose scales"
     )
     return (OK if exact and agree and control_caught else FAIL), detail
+
+
+def _check_e2e_fp4() -> tuple[str, str]:
+    """fp4_mx_block16 through the controller: real FP4 from set_kv_buffer (its
+    quantizer is torch code, so it runs off Blackwell), dequantized difference
+    0, and the payload-only control loses the scales (SGLang's own class
+    refuses the pool)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
+    from sglang_mxfp8_hicache.tools.e2e import run_modes
+
+    setup = "fp4_mx_block16"
+    verdicts = run_modes(modes=("ours", "plain"), setups=(setup,))
+    ours, plain = verdicts.get(f"{setup}:ours", {}), verdicts.get(f"{setup}:plain", {})
+    for v in (ours, plain):
+        if "error" in v or not v:
+            return FAIL, f"error: {v.get('error', 'no verdict').splitlines()[-1]}"
+    exact = (
+        ours["payload_restored"]
+        and ours["scales_restored"]
+        and ours["untouched_pages_kept"]
+        and ours["dequantized_max_diff"] == 0.0
+        and ours["write_path"].startswith("set_kv_buffer")
+        and ours["quantized_within_error"]
+    )
+    caught = plain["payload_restored"] and not plain["scales_restored"]
+    detail = (
+        f"{setup} via set_kv_buffer: max |dequant diff| "
+        f"{ours['dequantized_max_diff']}; payload-only pool: scales lost, max diff "
+        f"{plain['dequantized_max_diff']:.3g}"
+        if caught
+        else "payload-only control did NOT lose scales"
+    )
+    return (OK if exact and caught else FAIL), detail
 
 
 def _check_e2e_l3() -> tuple[str, str]:
@@ -289,6 +322,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     if args.e2e:
         steps.append(_run_step("e2e: SGLang controller", _check_e2e))
+        steps.append(_run_step("e2e: fp4_mx_block16", _check_e2e_fp4))
         steps.append(_run_step("e2e: L3 storage", _check_e2e_l3))
     if args.json:
         print(json.dumps([asdict(s) for s in steps], indent=2))

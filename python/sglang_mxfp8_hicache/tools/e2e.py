@@ -44,6 +44,7 @@ import torch
 
 from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE as PAGE
 from sglang_mxfp8_hicache.tools.selfcheck import (
+    PayloadOnlyHost,
     build_device_pool,
     device_buffers,
     fill_random,
@@ -56,14 +57,26 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
-SETUPS = ("kv", "draft", "sidecar_draft", "layer_first", "hybrid_swa", "mamba")
+FP4_SETUPS = ("fp4_mx_block16", "nvfp4")
+SETUPS = (
+    "kv",
+    "draft",
+    "sidecar_draft",
+    "layer_first",
+    "hybrid_swa",
+    "mamba",
+    *FP4_SETUPS,
+)
 """``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
 ``sidecar_draft``: a two-layer draft (EAGLE3, standalone) in its own host pool,
 registered as SGLang's sidecar (``build_hicache_draft_sidecars``), its indices
 those of the KV pool; ``layer_first``: that host layout; ``hybrid_swa``: full and sliding-window
 MXFP8 pools through ``build_hybrid_swa_stack``; ``mamba``: an MXFP8 full
 attention pool beside Mamba2 state through ``build_hybrid_mamba_stack``. The
-hybrids have 8 layers, full attention at 3 and 7, as their models interleave."""
+hybrids have 8 layers, full attention at 3 and 7, as their models interleave.
+``fp4_mx_block16``, ``nvfp4``: the plain KV stack of that FP4 KV cache (every
+other setup is MXFP8). nvfp4's quantizer needs Blackwell, so on Hopper and the
+CPU its pages are random bytes (the verdict's ``write_path`` says so)."""
 DRAFTS = 2
 HYBRID_LAYERS, HYBRID_FULL_LAYERS = 8, (3, 7)
 SWA_DEVICE_PAGES = 24
@@ -141,6 +154,10 @@ class Stack:
         return list({id(d.pool): d.pool for d in self.layers}.values())
 
 
+def kv_cache_dtype(setup: str) -> str:
+    return setup if setup in FP4_SETUPS else "mxfp8"
+
+
 def _publish(setup: str):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
@@ -152,7 +169,7 @@ def _publish(setup: str):
     server_args = ServerArgs(
         model_path="dummy",
         page_size=PAGE,
-        kv_cache_dtype="mxfp8",
+        kv_cache_dtype=kv_cache_dtype(setup),
         enable_hierarchical_cache=True,
         hicache_ratio=2.0,
         hicache_size=0,
@@ -191,6 +208,7 @@ def _build_stack(setup: str, group, device: str) -> Stack:
         model_name=get_serving().served_model_name,
     )
     pool_args = dict(head_num=KV_HEADS, head_dim=HEAD_DIM, device=device)
+    kv_args = dict(pool_args, kv_cache_dtype=kv_cache_dtype(setup))
     hybrid_attention = dict(
         full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
         swa_attention_layer_ids=[
@@ -257,9 +275,9 @@ def _build_stack(setup: str, group, device: str) -> Stack:
             layers,
             {"kv": allocator.full_attn_allocator, "swa": allocator.swa_attn_allocator},
         )
-    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **pool_args)
+    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **kv_args)
     drafts = tuple(
-        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **pool_args)
+        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **kv_args)
         for _ in range(DRAFTS if setup == "draft" else 0)
     )
     allocator = PagedTokenToKVPoolAllocator(
@@ -401,9 +419,14 @@ def run(
     if mode == "plain":
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-        # What SGLang 0.5.16-0.5.20 pick for an MXFP8 pool. Patched where the
-        # assembler looks the selector up.
-        hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: MHATokenToKVPoolHost
+        from sglang_mxfp8_hicache.geometry import is_packed_fp4
+
+        # What SGLang 0.5.16-0.5.20 pick for an MXFP8 pool (and what an FP4
+        # pool gets where it reports no scales). Patched where the assembler
+        # looks the selector up.
+        hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: (
+            PayloadOnlyHost if is_packed_fp4(info) else MHATokenToKVPoolHost
+        )
 
     _publish(setup)
     dist.init_process_group(
@@ -468,9 +491,13 @@ class _Sequences:
 def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
 
     gen = torch.Generator(device=device).manual_seed(1234)
-    # 1. Real MXFP8 KV, written by SGLang's own quantize-and-store path.
+    # 1. Real block-scaled KV, written by SGLang's own quantize-and-store path.
     src = _Sequences(stack)
-    write_path = "set_kv_buffer (SGLang's fused MXFP8 quantize and store, Triton)"
+    write_path = (
+        "set_kv_buffer (SGLang's fused MXFP8 quantize and store, Triton)"
+        if not _quant_method(stack.layers[0].pool)
+        else "set_kv_buffer (SGLang's FP4 quant method's quantize_and_store)"
+    )
     bf16 = []
     try:
         for d in stack.layers:
@@ -494,8 +521,14 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         for pool in stack.device_pools:
             for buf in (*pool.k_buffer, *pool.v_buffer):
                 _u8(buf).copy_(_randint(0, 0x7E, buf.shape, gen))
+            # UE8M0 exponents 2^-27..2^12; nvfp4's e4m3 scales 2^-4..2^3
+            # (random e4m3 bytes include NaN, 0x7F).
+            method = _quant_method(pool)
+            low, high = (
+                (0x20, 0x58) if method and method.name == "nvfp4" else (100, 140)
+            )
             for buf in (*pool.k_scale_buffer, *pool.v_scale_buffer):
-                _u8(buf).copy_(_randint(100, 140, buf.shape, gen))
+                _u8(buf).copy_(_randint(low, high, buf.shape, gen))
     fill_random(stack.state, gen)
     synchronize(device)
 
@@ -505,13 +538,15 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         for d in stack.layers:
             slots = seqs.all(d.space)
             pages = slots[::PAGE] // PAGE
-            for buf, index in (
-                (d.pool.k_buffer, slots),
-                (d.pool.v_buffer, slots),
-                (d.pool.k_scale_buffer, pages),
-                (d.pool.v_scale_buffer, pages),
-            ):
-                out.append(_u8(buf[d.layer])[index].clone())
+            page_num = d.pool.k_buffer[d.layer].shape[0] // PAGE
+            out += [
+                _u8(buf[d.layer])[slots].clone()
+                for buf in (d.pool.k_buffer, d.pool.v_buffer)
+            ]
+            out += [
+                _u8(buf[d.layer]).reshape(page_num, -1)[pages].clone()
+                for buf in (d.pool.k_scale_buffer, d.pool.v_scale_buffer)
+            ]
         if stack.state:  # then each Mamba state tensor's (layers, slots) rows
             slots = seqs.all("mamba")
             out += [_u8(t[:, slots]).clone() for t in stack.state]
@@ -526,19 +561,19 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
                 (d.pool.v_buffer, d.pool.v_scale_buffer),
             ):
                 out.append(
-                    dequantize(
-                        payload[d.layer][slots], token_scales(scales[d.layer], slots)
-                    )
+                    dequantize_slots(d, payload[d.layer], scales[d.layer], slots)
                 )
         return out
 
     original = snapshot(src)
     original_kv = dequantized(src)
     quant_ok = bool(bf16) and all(
-        within_mxfp8_error(
+        within_quantization_error(
+            d,
             x.float(),
             original_kv[2 * n + side],
-            token_scales(scales[d.layer], src.written(d.space)),
+            scales[d.layer],
+            src.written(d.space),
         )
         for n, d in enumerate(stack.layers)
         for side, (x, scales) in enumerate(
@@ -592,7 +627,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
     #    every byte of the device pools overwritten, then the load.
     verdict = {
         "write_path": write_path,
-        "quantized_within_mxfp8_error": quant_ok,
+        "quantized_within_error": quant_ok,
         **load_and_judge(host_indices),
     }
     src.free(stack)
@@ -798,12 +833,52 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     }
 
 
-def within_mxfp8_error(
-    x: torch.Tensor, deq: torch.Tensor, scales: torch.Tensor
+def _quant_method(pool):
+    """An FP4 pool's quant method (SGLang's MHATokenToKVPool with one), or None."""
+    if getattr(pool, "is_quantized_kv_cache", False):
+        return pool.quant_method
+    return None
+
+
+def dequantize_slots(d: DeviceLayer, payload, scales, slots) -> torch.Tensor:
+    """(T, H, D) float32 of token ``slots``: an FP4 pool through its quant
+    method's own dequantize, MXFP8 from the interleaved scales."""
+    method = _quant_method(d.pool)
+    if method is None:
+        return dequantize(payload[slots], token_scales(scales, slots))
+    if method.name == "nvfp4":
+        return nvfp4_decode(
+            payload[slots], scales[slots], method.k_scales_float[d.layer]
+        )
+    return method.dequantize_kv_tensor(payload[slots], scales[slots], d.layer).float()
+
+
+def nvfp4_decode(payload, block_scales, global_scale: float) -> torch.Tensor:
+    """SGLang's SM90 nvfp4 decode (``NVFP4KVQuantizeUtil.dequantize``'s torch
+    fallback: low nibble first, its E2M1 table, e4m3 block scales per 16,
+    then the global scale) on any device: the CPU has no SM90 branch, and
+    flashinfer's decode needs Blackwell."""
+    from sglang.srt.layers.quantization.kvfp4_tensor import E2M1_VALUES
+
+    nibbles = torch.stack((payload & 0x0F, payload >> 4), dim=-1).flatten(-2)
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=payload.device)
+    scale = block_scales.view(torch.float8_e4m3fn).float().repeat_interleave(16, -1)
+    return values[nibbles.long()] * scale * global_scale
+
+
+def within_quantization_error(
+    d: DeviceLayer, x: torch.Tensor, deq: torch.Tensor, scales, slots
 ) -> bool:
-    """|x - deq| within half an e4m3 step: 2^-4 relative, 2^-10 of the block scale near 0."""
-    block = torch.exp2(scales.to(torch.float32) - 127.0).repeat_interleave(32, dim=-1)
-    bound = x.abs() * 2.0**-4 + block * 2.0**-10
+    """|x - deq| within rounding: for MXFP8 half an e4m3 step (2^-4 relative,
+    2^-10 of the block scale near 0); for fp4_mx_block16 half the widest e2m1
+    step (4 to 6), one block scale 2^(e - 127), blocks of 16 across the heads."""
+    if _quant_method(d.pool) is None:
+        block = torch.exp2(token_scales(scales, slots).to(torch.float32) - 127.0)
+        block = block.repeat_interleave(32, dim=-1)
+        bound = x.abs() * 2.0**-4 + block * 2.0**-10
+    else:
+        block = torch.exp2(scales[slots].to(torch.float32) - 127.0)
+        bound = block.repeat_interleave(16, dim=-1).view(x.shape) * (1 + 2.0**-8)
     return bool(((x - deq).abs() <= bound).all())
 
 

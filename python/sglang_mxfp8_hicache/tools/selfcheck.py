@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 PAGE_SIZE = 128
 IO_BACKEND = "kernel"
@@ -131,6 +131,37 @@ def build_host_pool(
             d.get_device_pool_infos()[0].buffer_info for d in drafts
         ),
     )
+
+
+class PayloadOnlyHost(MHATokenToKVPoolHost):
+    """The payload-only control: SGLang's own MHA host pool given what it can
+    move of a block-scaled pool, the payload at its real width and no scales
+    (what SGLang 0.5.16-0.5.20 do with an MXFP8 pool, and 0.5.23 with an FP4
+    pool that reports none). Any other pool goes to it unchanged."""
+
+    def __init__(self, buffer_info, *args, draft_buffer_infos=(), **kwargs):
+        super().__init__(
+            _payload_only(buffer_info),
+            *args,
+            draft_buffer_infos=tuple(_payload_only(d) for d in draft_buffer_infos),
+            **kwargs,
+        )
+
+
+def _payload_only(info):
+    from sglang_mxfp8_hicache.geometry import ScaleGeometry, buffer_scale_format
+    from sglang_mxfp8_hicache.host_pool import payload_buffer_info
+
+    fmt = buffer_scale_format(info)
+    if fmt is None:
+        return info
+    geometry = ScaleGeometry(
+        head_num=info.head_num,
+        head_dim=info.head_dim,
+        page_size=info.page_size,
+        fmt=fmt,
+    )
+    return payload_buffer_info(info, geometry)
 
 
 def device_buffers(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
