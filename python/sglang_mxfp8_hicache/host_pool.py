@@ -1,4 +1,10 @@
-"""HiCache host pool for SGLang's MXFP8 KV cache: the fp8 payload plus its UE8M0 scales.
+"""HiCache host pool for SGLang's block-scaled KV caches: the payload plus its scales.
+
+MXFP8 is drawn below; the FP4 recipes (``geometry.FORMATS``) differ only in
+their device tensors (payload (tokens, H, D // 2) uint8, scales one row of s =
+H * D // 16 bytes per token, so a page is again one contiguous run of P * s
+bytes), and the base class sees their payload at its real width
+(``payload_buffer_info``).
 
 Byte layouts, per pool (L layers, H KV heads, D head_dim, P = page_size = 128,
 s = H * D // 32 scale bytes per token, chunks of k * s >= 512 bytes):
@@ -153,7 +159,9 @@ class _LoadProgress:
 
 
 class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
-    """MHA host pool that mirrors MXFP8 scale pages beside the fp8 payload.
+    """MHA host pool that mirrors scale pages beside the payload, for MXFP8 and
+    the FP4 recipes alike (one ``ScaleGeometry`` of the pool's format); the
+    class keeps the name it was introduced with for MXFP8.
 
     Adds the scale sidecar and nothing else: sizing counts the scale bytes, and
     every transfer moves the scales of the same pages on the same stream as the
