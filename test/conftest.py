@@ -64,6 +64,7 @@ def make_pools(device, request):
         drafts=None,
         layout="page_first",
         kv_cache_dtype="mxfp8",
+        page_size=128,
     ):
         """(device pool, host pool) of ``kv_cache_dtype``; with ``drafts=n``,
         also the n one-layer draft device pools packed into the host pool
@@ -76,6 +77,7 @@ def make_pools(device, request):
                 pages=2 * pages + 1,
                 device=device,
                 kv_cache_dtype=kv_cache_dtype,
+                page_size=page_size,
             )
             for n in (layers, *[1] * (drafts or 0))
         ]

@@ -69,6 +69,23 @@ def test_size_table(capsys):
     assert "20480" in out and str((100_000_000_000 // 20480 // 128 + 1) * 128) in out
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp4_mx_block16", "nvfp4"])
+def test_size_fp4(capsys, kv_cache_dtype):
+    """32 layers of 8x128 in FP4: 36,864 B per token (payload 32,768 at half a
+    byte per element, scales 4,096 at one byte per 16), the device cell."""
+    argv = size("--kv-cache-dtype", kv_cache_dtype, "--page-size", "64")
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["payload_bytes_per_token"] == 32768
+    assert plan["scale_bytes_per_token"] == 4096
+    assert plan["host_tokens"] == (2000 // 64 + 1) * 64
+    table = argv[:1] + argv[2:]  # the same without --json
+    assert main(table) == 0
+    out = capsys.readouterr().out
+    assert f"--kv-cache-dtype {kv_cache_dtype}, page_size 64" in out
+    assert f"{kv_cache_dtype} with scales" in out and "36864" in out
+
+
 def test_size_from_hf_config(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(
@@ -219,6 +236,19 @@ BAD_INPUTS = [
     bad("tp_size_12_of_8_heads", size("--tp-size", "12"), "--tp-size 12", "8 KV"),
     bad("head_dim_0", size(head_dim="0"), "--head-dim", "0"),
     bad("head_dim_flag_125", size(head_dim="125"), "--head-dim", "125", "32"),
+    bad(
+        "mxfp8_head_dim_80",
+        size(head_dim="80"),
+        "head_dim must be a multiple of 32",
+        "mxfp8",
+    ),
+    bad("mxfp8_page_size_64", size("--page-size", "64"), "--page-size 128", "64"),
+    bad(
+        "unknown_kv_cache_dtype",
+        size("--kv-cache-dtype", "fp8_e4m3"),
+        "--kv-cache-dtype",
+        "fp8_e4m3",
+    ),
     bad(
         "device_tokens_negative",
         size(device_tokens="-1000"),

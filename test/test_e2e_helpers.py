@@ -51,7 +51,7 @@ def test_dequantize_and_error_bound_catch_a_wrong_scale():
     offset = slots - 128
     page[:, offset % 32, offset // 32, :] = scales.view(torch.uint8).transpose(0, 1)
     layer = DeviceLayer(pool, 0)
-    deq_pool = dequantize_slots(layer, pool.k_buffer[0], pool.k_scale_buffer[0], slots)
+    deq_pool = dequantize_slots(layer, "k", slots)
     assert torch.equal(deq_pool, deq)
     k_scales = pool.k_scale_buffer[0]
     assert within_quantization_error(layer, x.float(), deq, k_scales, slots)
@@ -83,11 +83,11 @@ def test_fp4_dequantize_and_error_bound_catch_a_wrong_scale():
     pool.set_kv_buffer(RadixAttention(8, 128, 1.0, 4, layer_id=0), slots, k, v)
     layer = DeviceLayer(pool, 0)
     scales = pool.k_scale_buffer[0]
-    deq = dequantize_slots(layer, pool.k_buffer[0], scales, slots)
+    deq = dequantize_slots(layer, "k", slots)
     assert deq.shape == k.shape and (deq != 0).any()
     assert within_quantization_error(layer, k.float(), deq, scales, slots)
     scales[slots[0], 0] += 1
-    deq_wrong = dequantize_slots(layer, pool.k_buffer[0], scales, slots)
+    deq_wrong = dequantize_slots(layer, "k", slots)
     assert not within_quantization_error(layer, k.float(), deq_wrong, scales, slots)
 
 

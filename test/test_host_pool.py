@@ -495,7 +495,9 @@ def test_refuses_fp4_payload_rows_no_jit_kernel_moves(cpu_kernels, no_allocation
     sgl_kernel's compiled ops (CUDA's JIT kernels move whole 128 B groups)."""
     pool = _fp4_pool(name, heads=1)
     info = pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="64 B per side.*lower --tp-size"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="rows of 64 B per token.*lower --tp-size"
+    ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 

@@ -69,25 +69,28 @@ FP4_FORMATS = ["fp4_mx_block16", "nvfp4"]
 
 @pytest.mark.parametrize("kv_cache_dtype", FP4_FORMATS)
 @pytest.mark.parametrize(
-    "heads, layers, pages, drafts, layout",
+    "heads, layers, pages, drafts, layout, page_size",
     [
-        (2, 3, 1, 0, "page_first"),  # the narrowest JIT payload row: 128 B
-        (8, 4, 64, 0, "page_first"),
-        (4, 13, 5, 0, "page_first"),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
-        (2, 2, 300, 0, "page_first"),  # two backup launches of at most 256 pages
-        (16, 2, 9, 0, "page_first"),  # chunks of 1024 B
-        (8, 4, 5, 2, "page_first"),  # packed MTP/NextN drafts
-        (8, 4, 9, 0, "layer_first"),
-        (8, 4, 9, 2, "layer_first"),
+        (2, 3, 1, 0, "page_first", 128),  # the narrowest JIT payload row: 128 B
+        (8, 4, 64, 0, "page_first", 128),
+        (4, 13, 5, 0, "page_first", 128),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (2, 2, 300, 0, "page_first", 128),  # two backup launches of <= 256 pages
+        (16, 2, 9, 0, "page_first", 128),  # chunks of 1024 B
+        (8, 4, 5, 2, "page_first", 128),  # packed MTP/NextN drafts
+        (8, 4, 9, 0, "layer_first", 128),
+        (8, 4, 9, 2, "layer_first", 128),
+        (8, 4, 33, 0, "page_first", 64),  # FP4 is not tied to page 128
+        (2, 3, 70, 2, "page_first", 16),  # one 256 B chunk per page
+        (8, 4, 9, 0, "layer_first", 64),
     ],
     ids=lambda v: str(v),
 )
 def test_round_trip_fp4(
-    make_pools, kv_cache_dtype, heads, layers, pages, drafts, layout
+    make_pools, kv_cache_dtype, heads, layers, pages, drafts, layout, page_size
 ):
     """FP4 KV (SGLang's MHATokenToKVPool with the recipe's quant method): packed
     e2m1 payload at its real width and per-token scale rows, byte-exact,
-    through the same sidecar as MXFP8."""
+    through the same sidecar as MXFP8, at any page size."""
     device_pool, host, draft_pools = make_pools(
         heads=heads,
         head_dim=128,
@@ -96,8 +99,10 @@ def test_round_trip_fp4(
         drafts=drafts,
         layout=layout,
         kv_cache_dtype=kv_cache_dtype,
+        page_size=page_size,
     )
     assert host.scale_geometry.fmt.name == kv_cache_dtype
+    assert host.page_size == page_size
     # Half a byte of payload and 1/16 of a scale byte per element.
     assert host.get_size_per_token() == 2 * (layers + drafts) * heads * (64 + 8)
     result = round_trip(

@@ -111,7 +111,10 @@ def buffer_scale_format(buffer_info: MHABufferInfo) -> ScaleFormat | None:
         head_dim // NVFP4.sf_block,
     ):
         return NVFP4
-    if scale.dim() == 2 and scale.shape[1] == head_num * head_dim // 16:
+    if (
+        scale.dim() == 2
+        and scale.shape[1] == head_num * head_dim // FP4_MX_BLOCK16.sf_block
+    ):
         return FP4_MX_BLOCK16
     return None
 

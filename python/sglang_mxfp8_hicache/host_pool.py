@@ -389,10 +389,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             element_size=payload_row, page_size=page_size
         ):
             raise refuse(
-                f"a token's payload row is {payload_row} B per side and layer "
-                f"({buffer_info.head_num} heads of {geometry.payload_head_bytes} B), "
-                "which SGLang's JIT HiCache kernels do not move (on CUDA, rows of "
-                "whole 128 B groups); "
+                f"SGLang's JIT HiCache payload kernel does not serve rows of "
+                f"{payload_row} B per token, side and layer ({buffer_info.head_num} "
+                f"heads of {geometry.payload_head_bytes} B; on CUDA it moves rows "
+                "of whole 128 B groups, and a failed build is logged above); "
                 + COMPILED_ONLY.format(ops="transfer_kv_per_layer_pf_lf")
                 + ". Give each rank more KV heads (a lower --tp-size), or run "
                 "without --enable-hierarchical-cache."

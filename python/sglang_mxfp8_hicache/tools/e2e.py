@@ -553,17 +553,11 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         return out
 
     def dequantized(seqs: _Sequences) -> list[torch.Tensor]:
-        out = []
-        for d in stack.layers:
-            slots = seqs.written(d.space)
-            for payload, scales in (
-                (d.pool.k_buffer, d.pool.k_scale_buffer),
-                (d.pool.v_buffer, d.pool.v_scale_buffer),
-            ):
-                out.append(
-                    dequantize_slots(d, payload[d.layer], scales[d.layer], slots)
-                )
-        return out
+        return [
+            dequantize_slots(d, side, seqs.written(d.space))
+            for d in stack.layers
+            for side in "kv"
+        ]
 
     original = snapshot(src)
     original_kv = dequantized(src)
@@ -840,16 +834,18 @@ def _quant_method(pool):
     return None
 
 
-def dequantize_slots(d: DeviceLayer, payload, scales, slots) -> torch.Tensor:
-    """(T, H, D) float32 of token ``slots``: an FP4 pool through its quant
-    method's own dequantize, MXFP8 from the interleaved scales."""
+def dequantize_slots(d: DeviceLayer, side: str, slots) -> torch.Tensor:
+    """(T, H, D) float32 of token ``slots`` on ``side`` (``k`` or ``v``): an
+    FP4 pool through its quant method's own dequantize (nvfp4: its decode,
+    below), MXFP8 from the interleaved scales."""
+    payload = getattr(d.pool, f"{side}_buffer")[d.layer]
+    scales = getattr(d.pool, f"{side}_scale_buffer")[d.layer]
     method = _quant_method(d.pool)
     if method is None:
         return dequantize(payload[slots], token_scales(scales, slots))
     if method.name == "nvfp4":
-        return nvfp4_decode(
-            payload[slots], scales[slots], method.k_scales_float[d.layer]
-        )
+        global_scale = getattr(method, f"{side}_scales_float")[d.layer]
+        return nvfp4_decode(payload[slots], scales[slots], global_scale)
     return method.dequantize_kv_tensor(payload[slots], scales[slots], d.layer).float()
 
 

@@ -121,7 +121,7 @@ def build_host_pool(
         info,
         host_to_device_ratio,
         0,
-        PAGE_SIZE,
+        device_pool.page_size,
         layout,
         pin_memory=pin_memory,
         device_capacity_tokens=device_pool.size,
@@ -198,15 +198,15 @@ def _device_pages(
     pool: MHATokenToKVPoolMXFP8, tensors: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     """Each tensor as [page, bytes] rows on the CPU (the pool holds size + 1 pages)."""
-    page_num = pool.size // PAGE_SIZE + 1
+    page_num = pool.size // pool.page_size + 1
     return [
         t.view(torch.uint8).reshape(page_num, -1).to("cpu", copy=True) for t in tensors
     ]
 
 
-def page_token_indices(pages: torch.Tensor) -> torch.Tensor:
-    offsets = torch.arange(PAGE_SIZE, dtype=torch.int64, device=pages.device)
-    return (pages[:, None] * PAGE_SIZE + offsets).reshape(-1)
+def page_token_indices(pages: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
+    return (pages[:, None] * page_size + offsets).reshape(-1)
 
 
 def backup_host_indices(
@@ -246,7 +246,8 @@ def round_trip(
     """
     device = torch.device(device_pool.device)
     cpu = torch.Generator().manual_seed(seed)
-    device_page_num = device_pool.size // PAGE_SIZE  # page 0 is padding
+    page_size = device_pool.page_size
+    device_page_num = device_pool.size // page_size  # page 0 is padding
     host_page_num = host_pool.page_num
     if pages > min(device_page_num // 2, host_page_num):
         raise ValueError(
@@ -270,9 +271,9 @@ def round_trip(
     perm = torch.randperm(device_page_num, generator=cpu) + 1
     src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
     host_pages = torch.randperm(host_page_num, generator=cpu)[:pages]
-    src_tokens = page_token_indices(src_pages).to(device)
-    dst_tokens = page_token_indices(dst_pages).to(device)
-    host_tokens = page_token_indices(host_pages)
+    src_tokens = page_token_indices(src_pages, page_size).to(device)
+    dst_tokens = page_token_indices(dst_pages, page_size).to(device)
+    host_tokens = page_token_indices(host_pages, page_size)
 
     saved = _device_pages(device_pool, device_tensors)
     host_before = [t.clone() for t in host_tensors]
