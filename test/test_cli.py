@@ -599,9 +599,8 @@ def test_check_command():
     )
     steps = {s["name"]: s for s in json.loads(done.stdout)}
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert steps["dispatch on MXFP8 pool"]["detail"] == (
-        "MHATokenToKVPoolMXFP8 -> "
-        "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+    assert steps["dispatch on scaled pools"]["detail"] == (
+        "mxfp8, fp4_mx_block16, nvfp4 device pools -> MHATokenToKVPoolMXFP8Host"
     )
     for name, step in steps.items():
         if name == "GPU round trip" and not torch.cuda.is_available():

@@ -52,9 +52,13 @@ def test_plugin_dispatch_in_fresh_process(order):
         assert chosen[f"mxfp8_page64/{where}"] == OURS
         assert chosen[f"bf16/{where}"] == SGLANG_PLAIN
         assert chosen[f"fp8/{where}"] == SGLANG_PLAIN
+        assert chosen[f"fp4_mx_block16/{where}"] == OURS
+        assert chosen[f"nvfp4/{where}"] == OURS
     assert chosen["storage/factory"] == "hooked"
-    # One line per chosen class per process, not one per call.
-    assert log.count(f"HiCache host pool: {OURS}") == 1
+    # One line per chosen class and format per process, not one per call.
+    assert log.count(f"HiCache host pool: {OURS}") == 3
+    for kv_cache_dtype in ("mxfp8", "fp4_mx_block16", "nvfp4"):
+        assert f"({kv_cache_dtype} device pool, scales mirrored" in log
     assert log.count(f"HiCache host pool: {SGLANG_PLAIN}") == 1
 
 

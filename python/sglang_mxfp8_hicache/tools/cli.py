@@ -138,14 +138,23 @@ def _check_dispatch() -> tuple[str, str]:
     from sglang.srt.plugins import load_plugins
 
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.probe import device_buffer_info
+    from sglang_mxfp8_hicache.tools.probe import FP4_KINDS, device_buffer_info
 
     load_plugins()
     from sglang.srt.mem_cache.pool_host import mha
 
-    chosen = mha.get_mha_host_pool_cls(device_buffer_info("mxfp8"))
-    detail = f"MHATokenToKVPoolMXFP8 -> {chosen.__module__}.{chosen.__qualname__}"
-    return (OK if chosen is MHATokenToKVPoolMXFP8Host else FAIL), detail
+    chosen = {
+        kind: mha.get_mha_host_pool_cls(device_buffer_info(kind))
+        for kind in ("mxfp8", *FP4_KINDS)
+    }
+    if all(cls is MHATokenToKVPoolMXFP8Host for cls in chosen.values()):
+        return (
+            OK,
+            f"{', '.join(chosen)} device pools -> {MHATokenToKVPoolMXFP8Host.__name__}",
+        )
+    return FAIL, ", ".join(
+        f"{kind} -> {cls.__module__}.{cls.__qualname__}" for kind, cls in chosen.items()
+    )
 
 
 def _check_sizing() -> tuple[str, str]:
@@ -316,7 +325,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         _run_step("sglang version", _check_version),
         _run_step("plugin entry point", _check_entry_point),
         _run_step("hook in a fresh process", _check_fresh_process),
-        _run_step("dispatch on MXFP8 pool", _check_dispatch),
+        _run_step("dispatch on scaled pools", _check_dispatch),
         _run_step("host sizing (example)", _check_sizing),
         _run_step("GPU round trip", _check_round_trip),
     ]

@@ -3,7 +3,8 @@
 Run as ``python -m sglang_mxfp8_hicache.tools.probe [--assembler-first]`` so that the
 answer comes from a fresh process, as in a scheduler: prints one JSON object
 ``{"<pool>/<lookup>": "<module>.<class>"}`` for an MXFP8 pool (page_size 128
-and 64), a bf16 pool and a plain fp8 pool, looked up through ``mha`` and through
+and 64), the two FP4 pools (fp4_mx_block16, nvfp4), a bf16 pool and a plain
+fp8 pool, looked up through ``mha`` and through
 the name ``hybrid_pool_assembler`` imported (the one SGLang calls), and
 under ``storage/factory`` whether SGLang's storage backend factory is hooked.
 """
@@ -15,10 +16,26 @@ import json
 import logging
 import sys
 
+FP4_KINDS = ("fp4_mx_block16", "nvfp4")
+
 
 def device_buffer_info(kind: str, page_size: int = 128):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
+
+    if kind in FP4_KINDS:
+        from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
+
+        pool = build_device_pool(
+            head_num=2,
+            head_dim=128,
+            layer_num=2,
+            pages=2,
+            page_size=page_size,
+            device="cpu",
+            kv_cache_dtype=kind,
+        )
+        return pool.get_device_pool_infos()[0].buffer_info
 
     cls, dtype = {
         "mxfp8": (MHATokenToKVPoolMXFP8, torch.float8_e4m3fn),
@@ -51,6 +68,7 @@ def probe(assembler_first: bool = False) -> dict[str, str]:
     infos = {
         "mxfp8": device_buffer_info("mxfp8"),
         "mxfp8_page64": device_buffer_info("mxfp8", page_size=64),
+        **{kind: device_buffer_info(kind) for kind in FP4_KINDS},
         "bf16": device_buffer_info("bf16"),
         "fp8": device_buffer_info("fp8"),
     }
