@@ -155,3 +155,14 @@ def test_host_plan_refuses_what_the_format_cannot_serve():
             tp_size=1,
             device_tokens=1,
         )
+
+
+@pytest.mark.parametrize("fmt", [FP4_MX_BLOCK16, NVFP4], ids=lambda f: f.name)
+def test_host_plan_refuses_fp4_rows_the_pool_refuses(fmt):
+    """8 KV heads over TP 8 in FP4: a 64 B payload row per token, which the
+    host pool refuses (test_host_pool); MXFP8's 128 B row is served."""
+    model = ModelGeometry(layers=2, kv_heads=8, head_dim=128)
+    with pytest.raises(SizingError, match="64 B .* lower --tp-size"):
+        host_plan(model, tp_size=8, device_tokens=1, fmt=fmt)
+    assert host_plan(model, tp_size=4, device_tokens=1, fmt=fmt).kv_heads_per_rank == 2
+    assert host_plan(model, tp_size=8, device_tokens=1).payload_bytes_per_token == 512
