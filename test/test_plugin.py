@@ -121,23 +121,21 @@ def test_register_skips_unsupported_sglang(
         assert "Install sglang==0.5.23" in record.getMessage()
 
 
-def test_hook_passes_other_pools_to_original():
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
+def _buffer_info(**pool):
+    """The buffer info of a small CPU device pool (``selfcheck.build_device_pool``)."""
     from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
 
+    device_pool = build_device_pool(
+        head_num=2, head_dim=128, layer_num=1, pages=1, device="cpu", **pool
+    )
+    return device_pool.get_device_pool_infos()[0].buffer_info
+
+
+def test_hook_passes_other_pools_to_original():
     sentinel = type("Sentinel", (), {})
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
-        pool = build_device_pool(
-            head_num=2,
-            head_dim=128,
-            layer_num=1,
-            pages=1,
-            device="cpu",
-            payload_dtype=dtype,
-        )
-        assert isinstance(pool, MHATokenToKVPool)
-        info = pool.get_device_pool_infos()[0].buffer_info
+        info = _buffer_info(payload_dtype=dtype)
+        assert info.scales is None
         assert plugin.claims(info) is None
         assert plugin.select_host_pool_cls(lambda info: sentinel, info) is sentinel
 
@@ -145,17 +143,8 @@ def test_hook_passes_other_pools_to_original():
 @pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "fp4_mx_block16", "nvfp4"])
 def test_hook_claims_block_scaled_pools(kv_cache_dtype):
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
 
-    pool = build_device_pool(
-        head_num=2,
-        head_dim=128,
-        layer_num=1,
-        pages=1,
-        device="cpu",
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    info = pool.get_device_pool_infos()[0].buffer_info
+    info = _buffer_info(kv_cache_dtype=kv_cache_dtype)
     assert plugin.claims(info).startswith(f"{kv_cache_dtype} device pool")
     chosen = plugin.select_host_pool_cls(lambda info: None, info)
     assert chosen is MHATokenToKVPoolMXFP8Host
