@@ -21,6 +21,7 @@ from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
+    fp4_quant_method,
 )
 
 # Built and inspected on the CPU only: the transfers are in test_transfers.py.
@@ -387,38 +388,21 @@ def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
     torch.cuda.synchronize()
 
 
-def _fp4_pool(name, *, heads=8, layers=2, pages=2, page_size=128, backends=None, **kw):
-    """SGLang's FP4 pool for ``name``; ``backends`` (prefill, decode) configures
-    the quant method as the server would (default: selfcheck's FlashInfer)."""
-    from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
-        get_kv_cache_quant_method,
-    )
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    if backends is None:
-        return build_device_pool(
-            head_num=heads,
-            head_dim=128,
-            layer_num=layers,
-            pages=pages,
-            page_size=page_size,
-            device="cpu",
-            kv_cache_dtype=name,
-        )
-    method = get_kv_cache_quant_method(
-        name, num_layers=layers, device="cpu", page_size=page_size, **kw
-    )
-    method.configure_attention_backends(*backends)
-    return MHATokenToKVPool(
-        size=pages * page_size,
-        page_size=page_size,
-        dtype=torch.float4_e2m1fn_x2,
+def _fp4_pool(name, *, heads=8, layers=2, pages=2, page_size=128, **method):
+    """SGLang's FP4 pool for ``name``; ``method`` (``backends``, nvfp4's
+    ``native_scale_layout``) configures its quant method as a server would
+    (default: selfcheck's FlashInfer)."""
+    return build_device_pool(
         head_num=heads,
         head_dim=128,
         layer_num=layers,
+        pages=pages,
+        page_size=page_size,
         device="cpu",
-        enable_memory_saver=False,
-        quant_method=method,
+        kv_cache_dtype=name,
+        quant_method=fp4_quant_method(
+            name, layer_num=layers, page_size=page_size, device="cpu", **method
+        ),
     )
 
 

@@ -64,6 +64,7 @@ FP4_MX_BLOCK16 = ScaleFormat(
 NVFP4 = ScaleFormat("nvfp4", sf_block=16, payload_bits=4, interleaved=False)
 FORMATS = {f.name: f for f in (MXFP8, FP4_MX_BLOCK16, NVFP4)}
 """Every format this package serves, by ``--kv-cache-dtype``."""
+FP4_FORMAT_NAMES = tuple(f.name for f in FORMATS.values() if f.payload_bits == 4)
 MXFP8_SCALE_BLOCK = MXFP8.sf_block
 
 

@@ -68,6 +68,7 @@ from sglang_mxfp8_hicache import scale_kernel
 from sglang_mxfp8_hicache.geometry import (
     FORMATS,
     SCALE_ROW_BYTES,
+    ScaleFormat,
     ScaleGeometry,
     buffer_scale_format,
     is_packed_fp4,
@@ -137,13 +138,13 @@ def doubling_layer_groups(layer_num: int) -> list[range]:
     return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
 
 
-def payload_buffer_info(info: MHABufferInfo, geometry: ScaleGeometry) -> MHABufferInfo:
+def payload_buffer_info(info: MHABufferInfo, fmt: ScaleFormat) -> MHABufferInfo:
     """``info`` as the base class must see it: no scales (they are the
     sidecar's), and head_dim the payload bytes of one head, as the device rows
     hold them. For MXFP8 that is head_dim itself; an FP4 pool reports the
     logical head_dim of a uint8 payload, twice its rows, which would size the
     host tier and the JIT kernels' rows at twice the real payload."""
-    width = geometry.payload_head_bytes // info.dtype.itemsize
+    width = fmt.payload_bytes(info.head_dim) // info.dtype.itemsize
     return msgspec.structs.replace(info, head_dim=width, v_head_dim=width, scales=None)
 
 
@@ -230,7 +231,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self._scaled_infos = (buffer_info, *draft_buffer_infos)
         try:
             super().__init__(
-                payload_buffer_info(buffer_info, self.scale_geometry),
+                payload_buffer_info(buffer_info, fmt),
                 host_to_device_ratio,
                 host_size,
                 page_size,
@@ -242,8 +243,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 start_layer=start_layer,
                 end_layer=end_layer,
                 draft_buffer_infos=tuple(
-                    payload_buffer_info(d, self.scale_geometry)
-                    for d in draft_buffer_infos
+                    payload_buffer_info(d, fmt) for d in draft_buffer_infos
                 ),
                 write_back_staging=write_back_staging,
                 pool_label=pool_label,

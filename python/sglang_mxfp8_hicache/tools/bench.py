@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sglang_mxfp8_hicache.geometry import FORMATS, ScaleGeometry
+from sglang_mxfp8_hicache.geometry import FORMATS, FP4_FORMAT_NAMES, ScaleGeometry
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.selfcheck import (
@@ -68,8 +68,7 @@ MAX_POOL_BYTES = 10 * 2**30
 BACKUP_GOALS = ((64, 1.04), (1, 1.15))
 LOAD_GOALS = ((64, 1.05), (16, 1.25), (1, 1.5))
 LAYER0_GOALS = ((64, 1.10),)
-FP4_SETUPS = tuple(name for name in FORMATS if name != "mxfp8")
-SETUPS = ("page_first", "draft", "layer_first", *FP4_SETUPS)
+SETUPS = ("page_first", "draft", "layer_first", *FP4_FORMAT_NAMES)
 DEFAULT_DRAFTS = 1
 """Draft layers of the ``draft`` setup: one, as DeepSeek-V3's MTP module."""
 REFUSED = "refused"
@@ -93,7 +92,7 @@ def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
         "page_first": Setup(),
         "draft": Setup("draft", drafts=drafts),
         "layer_first": Setup("layer_first", layout="layer_first"),
-        **{name: Setup(name, kv_cache_dtype=name) for name in FP4_SETUPS},
+        **{name: Setup(name, kv_cache_dtype=name) for name in FP4_FORMAT_NAMES},
     }
     unknown = [name for name in names if name not in known]
     if unknown:

@@ -138,14 +138,13 @@ def _check_dispatch() -> tuple[str, str]:
     from sglang.srt.plugins import load_plugins
 
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.probe import FP4_KINDS, device_buffer_info
+    from sglang_mxfp8_hicache.tools.probe import device_buffer_info
 
     load_plugins()
     from sglang.srt.mem_cache.pool_host import mha
 
     chosen = {
-        kind: mha.get_mha_host_pool_cls(device_buffer_info(kind))
-        for kind in ("mxfp8", *FP4_KINDS)
+        kind: mha.get_mha_host_pool_cls(device_buffer_info(kind)) for kind in FORMATS
     }
     if all(cls is MHATokenToKVPoolMXFP8Host for cls in chosen.values()):
         return (
@@ -204,6 +203,22 @@ def _check_round_trip() -> tuple[str, str]:
     return (OK if result.ok else FAIL), detail
 
 
+def _restored_exactly(verdict: dict) -> bool:
+    """An e2e verdict's restore: payload and scales equal, dequantized
+    difference 0, every other device page kept, and KV that SGLang's
+    set_kv_buffer wrote within the format's quantization error."""
+    return (
+        verdict["payload_restored"]
+        and verdict["scales_restored"]
+        and verdict["untouched_pages_kept"]
+        and verdict["dequantized_max_diff"] == 0.0
+        and (
+            verdict["quantized_within_error"]
+            or not verdict["write_path"].startswith("set_kv")
+        )
+    )
+
+
 def _check_e2e() -> tuple[str, str]:
     import torch
 
@@ -218,14 +233,7 @@ def _check_e2e() -> tuple[str, str]:
     if errors:
         return FAIL, f"errors: {errors}"
     ours, sglang, plain = verdicts["ours"], verdicts["sglang"], verdicts["plain"]
-    exact = all(
-        v["payload_restored"]
-        and v["scales_restored"]
-        and v["untouched_pages_kept"]
-        and v["dequantized_max_diff"] == 0.0
-        and (v["quantized_within_error"] or not v["write_path"].startswith("set_kv"))
-        for v in (ours, sglang)
-    )
+    exact = all(_restored_exactly(v) for v in (ours, sglang))
     agree = ours["restored_sha256"] == sglang["restored_sha256"]
     control_caught = plain["payload_restored"] and not plain["scales_restored"]
     detail = (
@@ -256,14 +264,8 @@ def _check_e2e_fp4() -> tuple[str, str]:
     for v in (ours, plain):
         if "error" in v or not v:
             return FAIL, f"error: {v.get('error', 'no verdict').splitlines()[-1]}"
-    exact = (
-        ours["payload_restored"]
-        and ours["scales_restored"]
-        and ours["untouched_pages_kept"]
-        and ours["dequantized_max_diff"] == 0.0
-        and ours["write_path"].startswith("set_kv_buffer")
-        and ours["quantized_within_error"]
-    )
+    # Written by set_kv_buffer, not the random-bytes fallback.
+    exact = ours["write_path"].startswith("set_kv_buffer") and _restored_exactly(ours)
     caught = plain["payload_restored"] and not plain["scales_restored"]
     detail = (
         f"{setup} via set_kv_buffer: max |dequant diff| "

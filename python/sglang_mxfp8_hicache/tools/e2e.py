@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
 from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE as PAGE
 from sglang_mxfp8_hicache.tools.selfcheck import (
     PayloadOnlyHost,
@@ -57,7 +58,6 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
-FP4_SETUPS = ("fp4_mx_block16", "nvfp4")
 SETUPS = (
     "kv",
     "draft",
@@ -65,7 +65,7 @@ SETUPS = (
     "layer_first",
     "hybrid_swa",
     "mamba",
-    *FP4_SETUPS,
+    *FP4_FORMAT_NAMES,
 )
 """``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
 ``sidecar_draft``: a two-layer draft (EAGLE3, standalone) in its own host pool,
@@ -155,7 +155,7 @@ class Stack:
 
 
 def kv_cache_dtype(setup: str) -> str:
-    return setup if setup in FP4_SETUPS else "mxfp8"
+    return setup if setup in FP4_FORMAT_NAMES else "mxfp8"
 
 
 def _publish(setup: str):

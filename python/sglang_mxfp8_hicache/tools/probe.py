@@ -16,14 +16,14 @@ import json
 import logging
 import sys
 
-FP4_KINDS = ("fp4_mx_block16", "nvfp4")
+from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
 
 
 def device_buffer_info(kind: str, page_size: int = 128):
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
-    if kind in FP4_KINDS:
+    if kind in FP4_FORMAT_NAMES:
         from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
 
         pool = build_device_pool(
@@ -68,7 +68,7 @@ def probe(assembler_first: bool = False) -> dict[str, str]:
     infos = {
         "mxfp8": device_buffer_info("mxfp8"),
         "mxfp8_page64": device_buffer_info("mxfp8", page_size=64),
-        **{kind: device_buffer_info(kind) for kind in FP4_KINDS},
+        **{kind: device_buffer_info(kind) for kind in FP4_FORMAT_NAMES},
         "bf16": device_buffer_info("bf16"),
         "fp8": device_buffer_info("fp8"),
     }

@@ -55,10 +55,12 @@ def build_device_pool(
     v_head_dim: int | None = None,
     payload_dtype: torch.dtype | None = None,
     kv_cache_dtype: str = "mxfp8",
+    quant_method=None,
 ) -> MHATokenToKVPoolMXFP8:
     """The device pool SGLang builds for ``kv_cache_dtype`` (``mxfp8``, or an
     FP4 recipe: ``MHATokenToKVPool`` with that quant method, as the
-    configurator builds it), or with ``payload_dtype`` its plain MHA pool of
+    configurator builds it; ``quant_method``: one configured otherwise, see
+    :func:`fp4_quant_method`), or with ``payload_dtype`` its plain MHA pool of
     that dtype (no scales); page 0 is its padding page."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
@@ -78,8 +80,12 @@ def build_device_pool(
         return MHATokenToKVPoolMXFP8(dtype=torch.float8_e4m3fn, **common)
     return MHATokenToKVPool(
         dtype=torch.float4_e2m1fn_x2,
-        quant_method=fp4_quant_method(
-            kv_cache_dtype, layer_num=layer_num, page_size=page_size, device=device
+        quant_method=(
+            fp4_quant_method(
+                kv_cache_dtype, layer_num=layer_num, page_size=page_size, device=device
+            )
+            if quant_method is None
+            else quant_method
         ),
         **common,
     )
@@ -90,18 +96,28 @@ FP4_ATTENTION_BACKENDS = ("flashinfer", "flashinfer")
 (its FlashInfer access); fp4_mx_block16 has per-token scales for every backend."""
 
 
-def fp4_quant_method(name: str, *, layer_num: int, page_size: int, device: str):
+def fp4_quant_method(
+    name: str,
+    *,
+    layer_num: int,
+    page_size: int,
+    device: str,
+    backends: tuple[str, str] = FP4_ATTENTION_BACKENDS,
+    **method_kwargs,
+):
     """SGLang's quant method for an FP4 recipe, configured as the
-    configurator does for ``FP4_ATTENTION_BACKENDS`` (``_build_fp4_quant_method``,
-    less the checkpoint's scales: nvfp4's per-layer global scales stay 1)."""
+    configurator does for the (prefill, decode) ``backends``
+    (``_build_fp4_quant_method``, less the checkpoint's scales: nvfp4's
+    per-layer global scales stay 1); ``method_kwargs`` go to the recipe's
+    constructor (nvfp4: ``native_scale_layout``, SM100's on other GPUs)."""
     from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
         get_kv_cache_quant_method,
     )
 
     method = get_kv_cache_quant_method(
-        name, num_layers=layer_num, device=device, page_size=page_size
+        name, num_layers=layer_num, device=device, page_size=page_size, **method_kwargs
     )
-    method.configure_attention_backends(*FP4_ATTENTION_BACKENDS)
+    method.configure_attention_backends(*backends)
     return method
 
 
@@ -149,19 +165,11 @@ class PayloadOnlyHost(MHATokenToKVPoolHost):
 
 
 def _payload_only(info):
-    from sglang_mxfp8_hicache.geometry import ScaleGeometry, buffer_scale_format
+    from sglang_mxfp8_hicache.geometry import buffer_scale_format
     from sglang_mxfp8_hicache.host_pool import payload_buffer_info
 
     fmt = buffer_scale_format(info)
-    if fmt is None:
-        return info
-    geometry = ScaleGeometry(
-        head_num=info.head_num,
-        head_dim=info.head_dim,
-        page_size=info.page_size,
-        fmt=fmt,
-    )
-    return payload_buffer_info(info, geometry)
+    return info if fmt is None else payload_buffer_info(info, fmt)
 
 
 def device_buffers(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
