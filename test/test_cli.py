@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -607,3 +608,9 @@ def test_check_command():
             assert step["status"] == "skipped" and "no CUDA" in step["detail"]
         else:
             assert step["status"] == "ok", step
+    # One progress line per step on stderr, in order, as each ends.
+    ended = re.compile(r"(.+: \w+) \(\d+ s\)")
+    progress = [
+        m[1] for line in done.stderr.splitlines() if (m := ended.fullmatch(line))
+    ]
+    assert progress == [f"{name}: {step['status']}" for name, step in steps.items()]

@@ -21,6 +21,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -323,18 +324,27 @@ def _check_e2e_l3() -> tuple[str, str]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    steps = [
-        _run_step("sglang version", _check_version),
-        _run_step("plugin entry point", _check_entry_point),
-        _run_step("hook in a fresh process", _check_fresh_process),
-        _run_step("dispatch on scaled pools", _check_dispatch),
-        _run_step("host sizing (example)", _check_sizing),
-        _run_step("GPU round trip", _check_round_trip),
+    checks = [
+        ("sglang version", _check_version),
+        ("plugin entry point", _check_entry_point),
+        ("hook in a fresh process", _check_fresh_process),
+        ("dispatch on scaled pools", _check_dispatch),
+        ("host sizing (example)", _check_sizing),
+        ("GPU round trip", _check_round_trip),
     ]
     if args.e2e:
-        steps.append(_run_step("e2e: SGLang controller", _check_e2e))
-        steps.append(_run_step("e2e: fp4_mx_block16", _check_e2e_fp4))
-        steps.append(_run_step("e2e: L3 storage", _check_e2e_l3))
+        checks += [
+            ("e2e: SGLang controller", _check_e2e),
+            ("e2e: fp4_mx_block16", _check_e2e_fp4),
+            ("e2e: L3 storage", _check_e2e_l3),
+        ]
+    steps = []
+    for name, fn in checks:
+        # The e2e steps take minutes: say what has finished as it does.
+        started = time.monotonic()
+        steps.append(_run_step(name, fn))
+        took = time.monotonic() - started
+        print(f"{name}: {steps[-1].status} ({took:.0f} s)", file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps([asdict(s) for s in steps], indent=2))
     else:
@@ -719,14 +729,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="is the plugin installed and chosen by SGLang; on CUDA, a round trip "
         "(--e2e: also through SGLang's HiCache controller)",
         description="Verify the install: SGLang version, plugin entry point and hook,\n"
-        "dispatch on an MXFP8 pool, sizing and, on a CUDA GPU, a round trip.\n"
-        "Exit 1 if a step fails.",
+        "dispatch on MXFP8 and FP4 pools, sizing and, on a CUDA GPU, a round trip.\n"
+        "Each step reports on stderr as it ends. Exit 1 if a step fails.",
     )
     check.add_argument("--json", action="store_true", help="print the steps as JSON")
     check.add_argument(
         "--e2e",
         action="store_true",
-        help="also run real MXFP8 KV through SGLang's HiCache controller (GPU)",
+        help="also run real MXFP8 and fp4_mx_block16 KV through SGLang's HiCache "
+        "controller, and L3 storage (GPU; minutes)",
     )
     check.set_defaults(func=cmd_check)
 
