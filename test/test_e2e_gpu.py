@@ -125,6 +125,7 @@ def test_setup_cross_check_with_sglang_class(verdicts, setup):
         ("layer_first", "NotImplementedError"),
         ("fp4_mx_block16", "scale layout 'token'"),
         ("nvfp4", "scale layout 'token'"),
+        ("mamba_fp4_mx_block16", "scale layout 'token'"),
     ],
 )
 def test_sglang_class_refuses(verdicts, setup, error):

@@ -13,6 +13,7 @@ and 7 of 8, so the full pool's first layer loads in transfer iteration 3.
 ``fp4_mx_block16`` and ``nvfp4``: the plain KV stack of that FP4 KV cache;
 fp4_mx_block16 is written by SGLang's own set_kv_buffer (its quantizer is torch
 code), nvfp4's quantizer needs Blackwell, so its pages are random bytes.
+``mamba_fp4_mx_block16``: ``mamba`` over an fp4_mx_block16 full attention pool.
 """
 
 from __future__ import annotations
@@ -61,14 +62,17 @@ def test_setups_cover_their_layers(verdicts):
         "mamba": 2,
         "fp4_mx_block16": 4,
         "nvfp4": 4,
+        "mamba_fp4_mx_block16": 2,
     }
     host_classes = {
         setup: set(verdicts[_key(setup, "ours")]["host_classes"])
-        for setup in ("sidecar_draft", "hybrid_swa", "mamba")
+        for setup in ("sidecar_draft", "hybrid_swa", "mamba", "mamba_fp4_mx_block16")
     }
     assert host_classes == {
         "sidecar_draft": {"kv", "draft"},
         "hybrid_swa": {"kv", "swa"},
         "mamba": {"kv", "mamba"},
+        "mamba_fp4_mx_block16": {"kv", "mamba"},
     }
-    assert verdicts[_key("mamba", "ours")]["state_restored"]
+    for setup in ("mamba", "mamba_fp4_mx_block16"):
+        assert verdicts[_key(setup, "ours")]["state_restored"]

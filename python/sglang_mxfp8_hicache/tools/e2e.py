@@ -49,6 +49,7 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     device_buffers,
     fill_random,
+    fp4_quant_method,
     host_page_rows,
     synchronize,
 )
@@ -66,6 +67,7 @@ SETUPS = (
     "hybrid_swa",
     "mamba",
     *FP4_FORMAT_NAMES,
+    "mamba_fp4_mx_block16",
 )
 """``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
 ``sidecar_draft``: a two-layer draft (EAGLE3, standalone) in its own host pool,
@@ -74,8 +76,10 @@ those of the KV pool; ``layer_first``: that host layout; ``hybrid_swa``: full an
 MXFP8 pools through ``build_hybrid_swa_stack``; ``mamba``: an MXFP8 full
 attention pool beside Mamba2 state through ``build_hybrid_mamba_stack``. The
 hybrids have 8 layers, full attention at 3 and 7, as their models interleave.
-``fp4_mx_block16``, ``nvfp4``: the plain KV stack of that FP4 KV cache (every
-other setup is MXFP8). nvfp4's quantizer needs Blackwell, so on Hopper and the
+``fp4_mx_block16``, ``nvfp4``: the plain KV stack of that FP4 KV cache;
+``mamba_fp4_mx_block16``: ``mamba`` with an fp4_mx_block16 full attention pool
+(the configurator passes the FP4 quant method to ``HybridLinearKVPool``). Every
+other setup is MXFP8. nvfp4's quantizer needs Blackwell, so on Hopper and the
 CPU its pages are random bytes (the verdict's ``write_path`` says so)."""
 DRAFTS = 2
 HYBRID_LAYERS, HYBRID_FULL_LAYERS = 8, (3, 7)
@@ -155,7 +159,9 @@ class Stack:
 
 
 def kv_cache_dtype(setup: str) -> str:
-    return setup if setup in FP4_FORMAT_NAMES else "mxfp8"
+    """The --kv-cache-dtype of ``setup``: the FP4 recipe its name ends with,
+    else mxfp8."""
+    return next((n for n in FP4_FORMAT_NAMES if setup.endswith(n)), "mxfp8")
 
 
 def _publish(setup: str):
@@ -215,8 +221,8 @@ def _build_stack(setup: str, group, device: str) -> Stack:
             i for i in range(HYBRID_LAYERS) if i not in HYBRID_FULL_LAYERS
         ],
     )
-    if setup == "mamba":
-        return _build_mamba_stack(params, common, pool_args, hybrid_attention)
+    if setup.startswith("mamba"):
+        return _build_mamba_stack(params, common, kv_args, hybrid_attention)
     params["req_to_token_pool"] = ReqToTokenPool(
         size=len(SEQ_LENS),
         max_context_len=4096,
@@ -312,10 +318,11 @@ def _build_stack(setup: str, group, device: str) -> Stack:
     return stack
 
 
-def _build_mamba_stack(params, common, pool_args, hybrid_attention) -> Stack:
-    """What the scheduler builds for an MXFP8 hybrid Mamba model: its request
-    pool with the Mamba state pool, a HybridLinearKVPool over
-    MHATokenToKVPoolMXFP8 (kv_cache_configurator), and the stack through
+def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
+    """What the scheduler builds for a hybrid Mamba model with a block-scaled
+    KV cache: its request pool with the Mamba state pool, a HybridLinearKVPool
+    over MHATokenToKVPoolMXFP8, or over MHATokenToKVPool with the FP4 quant
+    method (kv_cache_configurator), and the stack through
     SGLang's own strategy selection (``build_hybrid_mamba_stack``), with the
     layer-done counters wired as the radix cache wires them."""
     from types import SimpleNamespace
@@ -327,11 +334,28 @@ def _build_mamba_stack(params, common, pool_args, hybrid_attention) -> Stack:
     from sglang.srt.mem_cache.memory_pool import (
         HybridLinearKVPool,
         HybridReqToTokenPool,
+        MHATokenToKVPool,
         MHATokenToKVPoolMXFP8,
     )
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    device = pool_args["device"]
+    pool_args = dict(kv_args)
+    name, device = pool_args.pop("kv_cache_dtype"), pool_args["device"]
+    full_layers = hybrid_attention["full_attention_layer_ids"]
+    if name == "mxfp8":
+        full_pool = dict(
+            dtype=torch.float8_e4m3fn,
+            full_kv_pool_class=MHATokenToKVPoolMXFP8,
+            quant_method=None,
+        )
+    else:
+        full_pool = dict(
+            dtype=torch.float4_e2m1fn_x2,
+            full_kv_pool_class=MHATokenToKVPool,
+            quant_method=fp4_quant_method(
+                name, layer_num=len(full_layers), page_size=PAGE, device=device
+            ),
+        )
     mamba_layers = hybrid_attention["swa_attention_layer_ids"]
     req_to_token_pool = HybridReqToTokenPool(
         size=len(SEQ_LENS),
@@ -351,16 +375,14 @@ def _build_mamba_stack(params, common, pool_args, hybrid_attention) -> Stack:
     )
     kvcache = HybridLinearKVPool(
         size=DEVICE_PAGES * PAGE,
-        dtype=torch.float8_e4m3fn,
         page_size=PAGE,
-        full_attention_layer_ids=hybrid_attention["full_attention_layer_ids"],
+        full_attention_layer_ids=full_layers,
         mamba_pool=req_to_token_pool.mamba_pool,
         enable_memory_saver=False,
         enable_kv_cache_copy=False,
         start_layer=0,
-        full_kv_pool_class=MHATokenToKVPoolMXFP8,
-        quant_method=None,
         use_mla=False,
+        **full_pool,
         **pool_args,
     )
     allocator = PagedTokenToKVPoolAllocator(
