@@ -397,21 +397,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 + ". Give each rank more KV heads (a lower --tp-size), or run "
                 "without --enable-hierarchical-cache."
             )
+        heads = (buffer_info.head_num, buffer_info.head_dim)
         for depth, draft in enumerate(draft_buffer_infos):
             # Packed MTP/NextN draft layers are tail layers of this pool: their
             # scales travel in the same host rows, so they must be the same.
-            if buffer_scale_format(draft) != fmt or (
-                draft.head_num,
-                draft.head_dim,
-            ) != (
-                buffer_info.head_num,
-                buffer_info.head_dim,
-            ):
+            draft_heads = (draft.head_num, draft.head_dim)
+            if buffer_scale_format(draft) != fmt or draft_heads != heads:
                 raise refuse(
                     f"packed draft layer {depth} is not a layer of the target's "
                     f"format ({name}) and heads; give the draft the target's "
-                    "--kv-cache-dtype "
-                    f"{name}, or drop --speculative-algorithm or "
+                    f"--kv-cache-dtype {name}, or drop --speculative-algorithm or "
                     "--enable-hierarchical-cache."
                 )
             ScaleGeometry.from_device_scales(

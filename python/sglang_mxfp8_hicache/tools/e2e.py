@@ -48,8 +48,8 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
     PayloadOnlyHost,
     build_device_pool,
     device_buffers,
+    device_pool_recipe,
     fill_random,
-    fp4_quant_method,
     host_page_rows,
     synchronize,
 )
@@ -334,28 +334,15 @@ def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
     from sglang.srt.mem_cache.memory_pool import (
         HybridLinearKVPool,
         HybridReqToTokenPool,
-        MHATokenToKVPool,
-        MHATokenToKVPoolMXFP8,
     )
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     pool_args = dict(kv_args)
     name, device = pool_args.pop("kv_cache_dtype"), pool_args["device"]
     full_layers = hybrid_attention["full_attention_layer_ids"]
-    if name == "mxfp8":
-        full_pool = dict(
-            dtype=torch.float8_e4m3fn,
-            full_kv_pool_class=MHATokenToKVPoolMXFP8,
-            quant_method=None,
-        )
-    else:
-        full_pool = dict(
-            dtype=torch.float4_e2m1fn_x2,
-            full_kv_pool_class=MHATokenToKVPool,
-            quant_method=fp4_quant_method(
-                name, layer_num=len(full_layers), page_size=PAGE, device=device
-            ),
-        )
+    recipe = device_pool_recipe(
+        name, layer_num=len(full_layers), page_size=PAGE, device=device
+    )
     mamba_layers = hybrid_attention["swa_attention_layer_ids"]
     req_to_token_pool = HybridReqToTokenPool(
         size=len(SEQ_LENS),
@@ -382,7 +369,9 @@ def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
         enable_kv_cache_copy=False,
         start_layer=0,
         use_mla=False,
-        **full_pool,
+        dtype=recipe.dtype,
+        full_kv_pool_class=recipe.pool_class,
+        quant_method=recipe.quant_method,
         **pool_args,
     )
     allocator = PagedTokenToKVPoolAllocator(

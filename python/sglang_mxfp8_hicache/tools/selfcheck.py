@@ -62,7 +62,7 @@ def build_device_pool(
     configurator builds it; ``quant_method``: one configured otherwise, see
     :func:`fp4_quant_method`), or with ``payload_dtype`` its plain MHA pool of
     that dtype (no scales); page 0 is its padding page."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     common = dict(
         size=pages * page_size,
@@ -76,19 +76,49 @@ def build_device_pool(
     )
     if payload_dtype is not None:
         return MHATokenToKVPool(dtype=payload_dtype, **common)
-    if kv_cache_dtype == "mxfp8":
-        return MHATokenToKVPoolMXFP8(dtype=torch.float8_e4m3fn, **common)
-    return MHATokenToKVPool(
-        dtype=torch.float4_e2m1fn_x2,
-        quant_method=(
-            fp4_quant_method(
-                kv_cache_dtype, layer_num=layer_num, page_size=page_size, device=device
-            )
-            if quant_method is None
-            else quant_method
-        ),
-        **common,
+    recipe = device_pool_recipe(
+        kv_cache_dtype,
+        layer_num=layer_num,
+        page_size=page_size,
+        device=device,
+        quant_method=quant_method,
     )
+    return recipe.pool_class(
+        dtype=recipe.dtype, quant_method=recipe.quant_method, **common
+    )
+
+
+@dataclass(frozen=True)
+class DevicePoolRecipe:
+    """What SGLang's configurator gives the MHA pool of a ``--kv-cache-dtype``,
+    alone or as the full attention pool of a hybrid (``HybridLinearKVPool``
+    takes the same three)."""
+
+    pool_class: type
+    dtype: torch.dtype
+    quant_method: object | None
+
+
+def device_pool_recipe(
+    kv_cache_dtype: str,
+    *,
+    layer_num: int,
+    page_size: int,
+    device: str,
+    quant_method=None,
+) -> DevicePoolRecipe:
+    """``mxfp8``: ``MHATokenToKVPoolMXFP8`` over fp8; an FP4 recipe:
+    ``MHATokenToKVPool`` over packed e2m1 with the recipe's quant method
+    (``quant_method``, else :func:`fp4_quant_method`)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
+
+    if kv_cache_dtype == "mxfp8":
+        return DevicePoolRecipe(MHATokenToKVPoolMXFP8, torch.float8_e4m3fn, None)
+    if quant_method is None:
+        quant_method = fp4_quant_method(
+            kv_cache_dtype, layer_num=layer_num, page_size=page_size, device=device
+        )
+    return DevicePoolRecipe(MHATokenToKVPool, torch.float4_e2m1fn_x2, quant_method)
 
 
 FP4_ATTENTION_BACKENDS = ("flashinfer", "flashinfer")
