@@ -65,6 +65,7 @@ def make_pools(device, request):
         layout="page_first",
         kv_cache_dtype="mxfp8",
         page_size=128,
+        v_head_dim=None,
     ):
         """(device pool, host pool) of ``kv_cache_dtype``; with ``drafts=n``,
         also the n one-layer draft device pools packed into the host pool
@@ -78,6 +79,7 @@ def make_pools(device, request):
                 device=device,
                 kv_cache_dtype=kv_cache_dtype,
                 page_size=page_size,
+                v_head_dim=v_head_dim,
             )
             for n in (layers, *[1] * (drafts or 0))
         ]
@@ -95,10 +97,8 @@ def make_pools(device, request):
         )
         hosts.append(host)
         if kernels:
-            # layer_first's all-layer kernel reads host layer pointer tables.
+            # The kernels read host pointer tables.
             kernels.pointers.register([host.kv_buffer])
-        if kernels and isinstance(host, MHATokenToKVPoolMXFP8Host):
-            kernels.pointers.register([host.scale_host])
         if drafts is None:
             return device_pool, host
         return device_pool, host, draft_pools

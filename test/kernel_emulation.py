@@ -21,21 +21,15 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   is (destination, then source, then the source and destination strides), with
   the row size fixed by the module; index tensors must be packed 1-D and of
   one dtype (``TensorMatcher``).
-- ``scale_rows_module(row_bytes)`` (ours, ``csrc/scale_rows.cuh``): ``tables`` is
-  a packed [4, layers] uint64 table (host K, host V, device K, device V). Row
-  ``i`` moves ``row_bytes`` per layer and side between host token ``h_i`` (times
-  the host stride) and device token ``device_indices[i * row_tokens]`` (times
-  the device stride). Both refuse a count that is not whole pages. ``load``
-  reads ``h_i = host_indices[i * row_tokens]`` (same dtype as the device
-  indices); ``backup`` takes CPU int64 host indices of whole pages, refuses a
-  page that is not one run of ``page_size`` tokens from a multiple of
-  ``page_size``, and reads ``h_i`` as the page's first token plus
-  ``row * row_tokens``; one launch per 256 pages. On GPU-resident indices (the
-  device side always, the host side of a load) a chunk that does not sit at its
-  page's aligned start plus ``row * row_tokens`` (the last chunk: or whose page
-  does not end ``page_size - 1`` tokens later) is not moved, and ``refused``
-  becomes (1 device | 2 host, the page's first token), the device side first.
-  An empty ``refused`` turns these checks off.
+- ``transfer_hicache_all_layer_mla``: the same copy for one pointer table,
+  ``element_size`` at most 32 KiB (the TMA kernel's row limit).
+- ``page_chunks_module(vector)`` (ours, ``csrc/page_chunks.cuh``): ``tables`` is
+  a packed [layers, 8] uint64 table (device bases of K payload, K scales, V
+  payload, V scales, then their host bases). For every page and layer, each
+  run's bytes move between device page number times the run's size and host
+  page number times ``host_stride``. Without a GPU every index tensor is
+  CPU-resident: int64 only, and a page that is not one aligned run refuses the
+  whole transfer before anything moves.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -50,8 +44,10 @@ from __future__ import annotations
 import torch
 from sglang.kernels.ops.kvcache import hicache as hicache_jit
 
-from sglang_mxfp8_hicache import scale_kernel
-from sglang_mxfp8_hicache.scale_kernel import check_transfer_pages
+from sglang_mxfp8_hicache import transfer
+
+transfer_launch_pages = 128
+"""Pages per launch when indices travel by value (``kMaxParamPages``)."""
 
 
 class PointerMap:
@@ -200,170 +196,115 @@ class EmulatedKernels:
                 src_base + src_offsets[:, None] + span
             ]
 
-    def scale_rows_module(self, row_bytes: int):
-        # walk_layers changes which worker moves a chunk, not the bytes moved.
+    def transfer_hicache_all_layer_mla(
+        self,
+        ptr_dst,
+        indices_dst,
+        ptr_src,
+        indices_src,
+        *,
+        cache_src_stride_bytes,
+        cache_dst_stride_bytes,
+        element_size=None,
+        unroll=None,
+        block_quota=None,
+        page_size=None,
+    ) -> None:
+        if element_size is None:
+            assert cache_dst_stride_bytes == cache_src_stride_bytes
+            element_size = cache_dst_stride_bytes
+        self.calls.append(("all_layer_mla", element_size))
+        assert element_size <= transfer.FALLBACK_MAX_ELEMENT
+        assert self.can_use_hicache_jit_kernel(element_size=element_size)
+        for table in (ptr_dst, ptr_src):
+            assert table.dtype == torch.uint64 and table.dim() == 1
+        assert ptr_dst.numel() == ptr_src.numel(), "pointer tables differ in layers"
+        for indices in (indices_dst, indices_src):
+            assert indices.dim() == 1 and indices.is_contiguous()
+        assert indices_dst.dtype == indices_src.dtype
+        assert indices_src.dtype in (torch.int32, torch.int64)
+        assert indices_src.numel() == indices_dst.numel()
+        self._copy_rows(
+            ptr_src.tolist(),
+            ptr_dst.tolist(),
+            indices_src.long() * cache_src_stride_bytes,
+            indices_dst.long() * cache_dst_stride_bytes,
+            element_size,
+        )
+
+    def page_chunks_module(self, vector: int):
+        """Ours (``csrc/page_chunks.cuh``). Without a GPU every index tensor is
+        CPU-resident: int64, every page checked (first and last token) before
+        anything moves, and its page numbers passed by value, 128 pages a
+        launch. The in-kernel checks of GPU-resident indices run on a GPU."""
         kernels = self
 
-        def check(tables, host_indices, device_indices, row_tokens, page_size, what):
-            assert tables.dtype == torch.uint64 and tables.is_contiguous()
-            assert tables.dim() == 2 and tables.shape[0] == 4
-            assert device_indices.dtype in (torch.int32, torch.int64)
-            assert host_indices.dtype in (torch.int32, torch.int64)
-            for indices in (host_indices, device_indices):
-                assert indices.dim() == 1 and indices.is_contiguous()
-            assert host_indices.numel() == device_indices.numel()
-            if not (row_tokens > 0 and page_size > 0 and page_size % row_tokens == 0):
-                raise RuntimeError(f"{what}: chunks must tile a page")
-            return tuple(tables.tolist())
-
-        def move(tables, host_rows, device_rows, host_stride, device_stride, to_host):
-            host_k, host_v, device_k, device_v = tables
-            host_offsets = host_rows * host_stride
-            device_offsets = device_rows * device_stride
-            for host_bases, device_bases in ((host_k, device_k), (host_v, device_v)):
-                src, dst = (
-                    (device_bases, host_bases)
-                    if to_host
-                    else (host_bases, device_bases)
-                )
-                offsets = (
-                    (device_offsets, host_offsets)
-                    if to_host
-                    else (host_offsets, device_offsets)
-                )
-                kernels._copy_rows(src, dst, *offsets, row_bytes)
-
-        def gpu_host_rows(host_indices, device_indices, row_tokens, what):
-            # On a GPU both sit on one device; here everything is on the CPU.
-            if host_indices.dtype != device_indices.dtype:
+        def pages_of(indices, page_size, what):
+            if indices.dtype != torch.int64:
+                raise RuntimeError(f"{what}: token indices on the CPU must be int64")
+            pages = indices.view(-1, page_size)
+            starts = pages[:, 0]
+            ok = (starts >= 0) & (starts % page_size == 0)
+            ok &= pages[:, -1] == starts + page_size - 1
+            bad = (~ok).nonzero()
+            if bad.numel():
+                page = int(bad[0])
                 raise RuntimeError(
-                    f"{what}: host indices on the GPU must share the device "
-                    "indices' device and dtype"
+                    f"{what}: page {page} is not one aligned run of {page_size} "
+                    f"tokens (it starts at token {int(starts[page])})"
                 )
-            return host_indices.long()[::row_tokens]
-
-        def aligned_chunks(indices, row_tokens, page_size):
-            """Per chunk: it sits at its page's start plus its row, the page
-            starts aligned, and (the last chunk only) ends page_size - 1 later;
-            and each chunk's page start."""
-            pages = indices.long().cpu().view(-1, page_size)
-            starts = pages[:, :1]
-            rows = page_size // row_tokens
-            ok = pages[:, ::row_tokens] == starts + torch.arange(rows) * row_tokens
-            ok &= (starts >= 0) & (starts % page_size == 0)
-            ok[:, -1] &= pages[:, -1] == starts[:, 0] + page_size - 1
-            return ok.reshape(-1), starts.expand(-1, rows).reshape(-1)
-
-        def refuse_bad_chunks(refused, device_check, host_check=None):
-            """The chunks to move; a bad one's page start goes to ``refused``
-            (the device side first, as the kernel checks it first)."""
-            device_ok, device_starts = device_check
-            host_ok, host_starts = host_check or (torch.ones_like(device_ok), None)
-            if refused.numel() == 0:  # no words: the kernel checks nothing
-                return torch.ones_like(device_ok)
-            keep = device_ok & host_ok
-            if not bool(keep.all()):
-                chunk = int((~keep).nonzero()[0])
-                on_device = not bool(device_ok[chunk])
-                starts = device_starts if on_device else host_starts
-                refused[0], refused[1] = (1 if on_device else 2), int(starts[chunk])
-            return keep
+            return starts // page_size
 
         class Module:
             @staticmethod
-            def backup(
+            def transfer(
                 tables,
                 refused,
                 host_indices,
                 device_indices,
                 host_stride,
-                device_stride,
-                row_tokens,
+                k_payload_bytes,
+                k_scale_bytes,
+                v_payload_bytes,
+                v_scale_bytes,
                 page_size,
-                walk_layers,
+                to_host,
+                max_blocks,
             ) -> None:
-                what = "MXFP8 scale backup"
-                bases = check(
-                    tables, host_indices, device_indices, row_tokens, page_size, what
-                )
-                # Without a GPU, host indices are always on the CPU: the
-                # page-start path. The GPU-index path runs on a GPU only.
-                host_on_cpu = host_indices.device.type == "cpu"
-                check_transfer_pages(
-                    host_indices, device_indices, page_size, what, host_runs=host_on_cpu
-                )
-                if host_on_cpu:
-                    # Each page's first token, from the CPU, in launch parameters.
-                    if host_indices.dtype != torch.int64:
-                        raise RuntimeError(
-                            f"{what}: host indices on the CPU must be int64"
-                        )
-                    starts = host_indices.view(-1, page_size)[:, 0]
-                    rows_per_page = page_size // row_tokens
-                    host_rows = (
-                        starts[:, None] + torch.arange(rows_per_page) * row_tokens
-                    ).reshape(-1)
-                    pages = starts.numel()
-                    for _ in range(0, pages, scale_kernel.MAX_PAGES_PER_LAUNCH):
-                        kernels.calls.append(("scale_rows_backup", row_bytes))
-                    checks = [aligned_chunks(device_indices, row_tokens, page_size)]
-                else:
-                    host_rows = gpu_host_rows(
-                        host_indices, device_indices, row_tokens, what
+                what = "block-scaled HiCache " + ("backup" if to_host else "load")
+                assert tables.dtype == torch.uint64 and tables.is_contiguous()
+                assert tables.dim() == 2 and tables.shape[1] == 2 * 4
+                for indices in (host_indices, device_indices):
+                    assert indices.dtype in (torch.int32, torch.int64)
+                    assert indices.dim() == 1 and indices.is_contiguous()
+                if host_indices.numel() != device_indices.numel():
+                    raise RuntimeError(f"{what}: index lengths differ")
+                assert refused.dtype == torch.int64 and refused.numel() in (0, 2)
+                if page_size <= 0 or max_blocks <= 0:
+                    raise RuntimeError(f"{what}: page_size and max_blocks must be positive")
+                if device_indices.numel() % page_size:
+                    raise RuntimeError(
+                        f"{what}: {device_indices.numel()} token indices are not "
+                        f"whole pages of {page_size}"
                     )
-                    kernels.calls.append(("scale_rows_backup", row_bytes))
-                    checks = [
-                        aligned_chunks(device_indices, row_tokens, page_size),
-                        aligned_chunks(host_indices, row_tokens, page_size),
-                    ]
-                keep = refuse_bad_chunks(refused, *checks)
-                device_rows = device_indices.long()[::row_tokens].cpu()
-                move(
-                    bases,
-                    host_rows[keep],
-                    device_rows[keep],
-                    host_stride,
-                    device_stride,
-                    True,
-                )
-
-            @staticmethod
-            def load(
-                tables,
-                refused,
-                host_indices,
-                device_indices,
-                host_stride,
-                device_stride,
-                row_tokens,
-                page_size,
-                walk_layers,
-            ) -> None:
-                what = "MXFP8 scale load"
-                bases = check(
-                    tables, host_indices, device_indices, row_tokens, page_size, what
-                )
-                check_transfer_pages(
-                    host_indices, device_indices, page_size, what, host_runs=False
-                )
-                host_rows = gpu_host_rows(
-                    host_indices, device_indices, row_tokens, what
-                )
-                kernels.calls.append(("scale_rows_load", row_bytes))
-                keep = refuse_bad_chunks(
-                    refused,
-                    aligned_chunks(device_indices, row_tokens, page_size),
-                    aligned_chunks(host_indices, row_tokens, page_size),
-                )
-                device_rows = device_indices.long()[::row_tokens]
-                move(
-                    bases,
-                    host_rows[keep],
-                    device_rows[keep],
-                    host_stride,
-                    device_stride,
-                    False,
-                )
+                sizes = (k_payload_bytes, k_scale_bytes, v_payload_bytes, v_scale_bytes)
+                for part, size in enumerate(sizes):
+                    if size <= 0 or size % vector:
+                        raise RuntimeError(
+                            f"{what}: part {part} of {size} B is not whole vectors"
+                        )
+                host_pages = pages_of(host_indices, page_size, what)
+                device_pages = pages_of(device_indices, page_size, what)
+                for _ in range(0, len(device_pages), transfer_launch_pages):
+                    kernels.calls.append(("page_chunks", vector))
+                for bases in tables.tolist():
+                    for part, size in enumerate(sizes):
+                        device = ([bases[part]], device_pages * size)
+                        host = ([bases[4 + part]], host_pages * host_stride)
+                        (src, src_off), (dst, dst_off) = (
+                            (device, host) if to_host else (host, device)
+                        )
+                        kernels._copy_rows(src, dst, src_off, dst_off, size)
 
         return Module()
 
@@ -577,12 +518,13 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
     from sglang_mxfp8_hicache import host_pool
 
     kernels = EmulatedKernels(PointerMap())
-    monkeypatch.setattr(scale_kernel, "scale_rows_module", kernels.scale_rows_module)
+    monkeypatch.setattr(transfer, "page_chunks_module", kernels.page_chunks_module)
     for name in (
         "can_use_hicache_jit_kernel",
         "can_use_write_back_jit_kernel",
         "transfer_hicache_one_layer",
         "transfer_hicache_all_layer",
+        "transfer_hicache_all_layer_mla",
         "transfer_hicache_all_layer_staged_lf_pf",
         "_jit_hicache_module",
     ):
@@ -684,9 +626,6 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(
         host_pool.MHATokenToKVPoolMXFP8Host,
         "init_kv_buffer",
-        registering(
-            host_pool.MHATokenToKVPoolMXFP8Host.init_kv_buffer,
-            lambda pool, _: [pool.scale_host],
-        ),
+        registering(host_pool.MHATokenToKVPoolMXFP8Host.init_kv_buffer, lambda _, kv: [kv]),
     )
     return kernels

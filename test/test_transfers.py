@@ -1,4 +1,4 @@
-"""Transfers of our host pool on SGLang's real MXFP8 device pool, byte for byte.
+"""Transfers of our host pool on SGLang's real block-scaled device pools, byte for byte.
 
 Every test runs twice through the ``device`` fixture: on the CPU with the kernel
 emulations (``kernel_emulation.py``) and, on a CUDA machine, with SGLang's real
@@ -14,9 +14,10 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import scale_kernel
+from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
+    MXFP8HiCacheConfigError,
     doubling_layer_groups,
 )
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
@@ -41,17 +42,17 @@ def assert_exact(result) -> None:
     [
         (1, 128, 3, 1),
         (2, 128, 1, 3),  # a single layer
-        (1, 128, 3, 200),  # crosses the 64-page write-back staging chunk
-        (1, 128, 2, 300),  # two backup launches of at most 256 pages
+        (1, 128, 3, 200),
+        (1, 128, 2, 300),  # three launches of at most 128 pages by value
         (8, 128, 4, 64),
         (8, 128, 13, 5),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
         (32, 128, 2, 67),
         (8, 256, 2, 70),
-        (7, 128, 3, 9),  # chunks of 3,584 B (wider than 512 B)
-        (15, 128, 2, 9),  # chunks of 7,680 B
-        (64, 256, 1, 3),  # 512 B of scales per token: chunks of one token
+        (7, 128, 3, 9),
+        (3, 64, 2, 9),  # payload runs of 24 KiB, scale runs of 768 B
+        (64, 256, 1, 3),
     ],
-    ids=lambda v: str(v),
+    ids=lambda v: "page_span-" + str(v),
 )
 def test_round_trip(make_pools, heads, head_dim, layers, pages):
     device_pool, host = make_pools(
@@ -60,8 +61,12 @@ def test_round_trip(make_pools, heads, head_dim, layers, pages):
     assert host.page_num >= pages
     result = round_trip(device_pool, host, pages=pages, seed=pages + heads)
     assert_exact(result)
-    # Random bytes include 0xFF (UE8M0 NaN) in what the scales carried.
-    assert (host.scale_host == 0xFF).any()
+    # The host page is one span: payload and scale runs of every layer.
+    page = host.host_page
+    assert host.kv_buffer.shape == (host.page_num, page.span_bytes)
+    assert page.span_bytes == 2 * layers * 128 * heads * (head_dim + head_dim // 32)
+    # Random bytes include 0xFF (UE8M0 NaN) in what the pages carried.
+    assert (host.kv_buffer.view(torch.uint8) == 0xFF).any()
 
 
 FP4_FORMATS = ["fp4_mx_block16", "nvfp4"]
@@ -71,26 +76,29 @@ FP4_FORMATS = ["fp4_mx_block16", "nvfp4"]
 @pytest.mark.parametrize(
     "heads, layers, pages, drafts, layout, page_size",
     [
-        (2, 3, 1, 0, "page_first", 128),  # the narrowest JIT payload row: 128 B
+        (2, 3, 1, 0, "page_first", 128),
+        (1, 3, 9, 0, "page_first", 128),  # 64 B payload rows: one head per rank
+        (3, 2, 9, 1, "page_first", 128),  # 192 B payload rows: 3 heads per rank
         (8, 4, 64, 0, "page_first", 128),
         (4, 13, 5, 0, "page_first", 128),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
-        (2, 2, 300, 0, "page_first", 128),  # two backup launches of <= 256 pages
-        (16, 2, 9, 0, "page_first", 128),  # chunks of 1024 B
+        (2, 2, 300, 0, "page_first", 128),
+        (16, 2, 9, 0, "page_first_direct", 128),
         (8, 4, 5, 2, "page_first", 128),  # packed MTP/NextN drafts
         (8, 4, 9, 0, "layer_first", 128),
         (8, 4, 9, 2, "layer_first", 128),
         (8, 4, 33, 0, "page_first", 64),  # FP4 is not tied to page 128
-        (2, 3, 70, 2, "page_first", 16),  # one 256 B chunk per page
+        (2, 3, 70, 2, "page_first", 16),  # scale runs of 64 B
+        (1, 2, 9, 0, "layer_first", 16),  # payload runs of 1 KiB
         (8, 4, 9, 0, "layer_first", 64),
     ],
-    ids=lambda v: str(v),
+    ids=lambda v: "fp4-" + str(v),
 )
 def test_round_trip_fp4(
     make_pools, kv_cache_dtype, heads, layers, pages, drafts, layout, page_size
 ):
     """FP4 KV (SGLang's MHATokenToKVPool with the recipe's quant method): packed
     e2m1 payload at its real width and per-token scale rows, byte-exact,
-    through the same sidecar as MXFP8, at any page size."""
+    through the same page as MXFP8, at any page size and row width."""
     device_pool, host, draft_pools = make_pools(
         heads=heads,
         head_dim=128,
@@ -101,7 +109,7 @@ def test_round_trip_fp4(
         kv_cache_dtype=kv_cache_dtype,
         page_size=page_size,
     )
-    assert host.scale_geometry.fmt.name == kv_cache_dtype
+    assert host.host_page.fmt.name == kv_cache_dtype
     assert host.page_size == page_size
     # Half a byte of payload and 1/16 of a scale byte per element.
     assert host.get_size_per_token() == 2 * (layers + drafts) * heads * (64 + 8)
@@ -145,25 +153,86 @@ def test_round_trip_draft(make_pools, heads, layers, drafts, pages):
     assert_exact(result)
 
 
+LAYOUT_IO = [
+    ("page_first", "kernel"),
+    ("layer_first", "kernel"),
+    ("page_first_direct", "direct"),
+    ("layer_first", "direct"),
+]
+
+
 @pytest.mark.parametrize(
     "heads, layers, drafts, pages",
     [(8, 4, 0, 5), (1, 3, 0, 200), (8, 13, 0, 64), (8, 4, 2, 9)],
     ids=lambda v: str(v),
 )
-def test_round_trip_layer_first(make_pools, heads, layers, drafts, pages):
-    """--hicache-mem-layout layer_first with the kernel io backend: the payload
-    through SGLang's JIT kernels for that layout, the scales as for page_first."""
+@pytest.mark.parametrize(
+    "layout, io_backend",
+    LAYOUT_IO,
+    ids=lambda v: {"page_first_direct": "page_first_direct", "direct": "io_direct"}.get(
+        v, v
+    ),
+)
+def test_round_trip_layouts(
+    make_pools, layout, io_backend, heads, layers, drafts, pages
+):
+    """Every host layout and io backend SGLang offers for MHA pools is the one
+    owned page; with --hicache-io-backend direct every index is on the CPU."""
     device_pool, host, draft_pools = make_pools(
         heads=heads,
         head_dim=128,
         layers=layers,
         pages=pages,
         drafts=drafts,
-        layout="layer_first",
+        layout=layout,
     )
-    assert host.layout == "layer_first"
-    result = round_trip(device_pool, host, pages=pages, seed=pages, drafts=draft_pools)
+    assert host.layout == layout
+    result = round_trip(
+        device_pool,
+        host,
+        pages=pages,
+        seed=pages,
+        drafts=draft_pools,
+        io_backend=io_backend,
+    )
     assert_exact(result)
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, v_head_dim, drafts",
+    [(8, 192, 128, 0), (2, 128, 64, 1), (1, 64, 256, 0)],
+    ids=lambda v: "asymmetric-" + str(v),
+)
+def test_round_trip_asymmetric(make_pools, heads, head_dim, v_head_dim, drafts):
+    """K and V head dims differ (MXFP8, as SGLang's MXFP8 pool builds them):
+    each part of the page has its own runs."""
+    device_pool, host, draft_pools = make_pools(
+        heads=heads,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        layers=3,
+        pages=5,
+        drafts=drafts,
+    )
+    k, v = host.host_page.k_part, host.host_page.v_part
+    assert k.span_bytes != v.span_bytes
+    assert host.get_size_per_token() * host.page_size == k.span_bytes + v.span_bytes
+    result = round_trip(device_pool, host, pages=5, seed=3, drafts=draft_pools)
+    assert_exact(result)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FP4_FORMATS)
+def test_asymmetric_fp4_refused(make_pools, kv_cache_dtype):
+    """SGLang's FP4 pool keeps V at K's head dim: refused, saying so."""
+    with pytest.raises(MXFP8HiCacheConfigError, match="SGLang serves no asymmetric FP4"):
+        make_pools(
+            heads=2,
+            head_dim=192,
+            v_head_dim=128,
+            layers=2,
+            pages=2,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
 
 @pytest.mark.parametrize(
@@ -247,15 +316,6 @@ def test_draft_scales_load_only_with_is_draft(make_pools):
     assert not all(torch.equal(a, b) for a, b in zip(scales, before, strict=True))
 
 
-def test_wide_chunks_are_whole_tokens():
-    """7 and 15 heads of 128: a chunk is the first multiple of 512 B, one token."""
-    from sglang_mxfp8_hicache.geometry import ScaleGeometry
-
-    for heads, row_bytes in ((7, 3584), (15, 7680)):
-        geometry = ScaleGeometry(head_num=heads, head_dim=128, page_size=128)
-        assert (geometry.row_bytes, geometry.row_tokens) == (row_bytes, 128)
-
-
 def test_plain_host_pool_loses_scales(make_pools):
     """The control: SGLang's payload-only host pool restores the payload only."""
     device_pool, host = make_pools(
@@ -278,17 +338,17 @@ def test_bench_ablation_round_trip(make_pools, name):
 def test_fallback_to_sglang_kernel(make_pools, monkeypatch, caplog):
     """Our kernel fails to build: one warning, SGLang's kernel moves the same bytes."""
 
-    def no_compiler(row_bytes):
+    def no_compiler(vector):
         raise RuntimeError("nvcc not found")
 
-    monkeypatch.setattr(scale_kernel, "scale_rows_module", no_compiler)
-    with caplog.at_level(logging.WARNING, logger=scale_kernel.__name__):
+    monkeypatch.setattr(transfer, "page_chunks_module", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=transfer.__name__):
         device_pool, host = make_pools(heads=8, head_dim=128, layers=4, pages=20)
-    assert isinstance(host._scale_kernel, scale_kernel.SGLangAllLayerKernel)
+    assert isinstance(host._mover, transfer.SGLangChunkKernels)
     warnings = [
         r
         for r in caplog.records
-        if r.name == scale_kernel.__name__ and r.levelno == logging.WARNING
+        if r.name == transfer.__name__ and r.levelno == logging.WARNING
     ]
     assert len(warnings) == 1
     assert "nvcc not found" in warnings[0].getMessage()
@@ -308,33 +368,64 @@ def test_layer_groups_double():
     assert groups[-1] == range(64, 80)
 
 
-def test_load_issues_scales_no_later_than_their_layer(make_pools):
-    """Each layer's scales are on the device once its own load call returns,
-    and layer 0's call moves layer 0's scales only (pages of other layers keep
-    their bytes until their group's call)."""
+def _device_runs(device_pool, layers) -> torch.Tensor:
+    """Device bytes as [part, layer, page, run bytes] on the CPU (``page.PARTS``)."""
+    parts = (
+        device_pool.k_buffer,
+        device_pool.k_scale_buffer,
+        device_pool.v_buffer,
+        device_pool.v_scale_buffer,
+    )
+    pages = device_pool.size // device_pool.page_size + 1
+    return [
+        torch.stack(
+            [part[layer].view(torch.uint8).reshape(pages, -1) for layer in layers]
+        ).cpu()
+        for part in parts
+    ]
+
+
+def _host_runs(host, layers) -> list[torch.Tensor]:
+    """Host bytes as [part][layer, page, run bytes], from the page's byte order."""
+    page = host.host_page
+    raw = host.kv_buffer.view(torch.uint8).cpu()
+    runs = []
+    for part, size in enumerate(page.run_bytes()):
+        runs.append(
+            torch.stack(
+                [
+                    raw[:, page.run_offsets(layer)[part] :][:, :size]
+                    for layer in layers
+                ]
+            )
+        )
+    return runs
+
+
+def test_load_issues_layers_no_later_than_their_call(make_pools):
+    """Each layer is on the device once its own load call returns, and layer
+    0's call moves layer 0 only (other layers keep their bytes until their
+    group's call)."""
     device_pool, host = make_pools(heads=8, head_dim=128, layers=6, pages=4)
-    fill_random([host.scale_host], torch.Generator().manual_seed(4))
-    sides = (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
+    fill_random([host.kv_buffer], torch.Generator().manual_seed(4))
     fill_random(
-        [*sides[0], *sides[1]],
+        device_buffers(device_pool),
         torch.Generator(device=device_pool.device).manual_seed(5),
     )
     host_pages, device_pages = torch.tensor([3, 0]), torch.tensor([5, 2])
     host_tokens = page_token_indices(host_pages).to(device_pool.device)
     device_tokens = page_token_indices(device_pages).to(device_pool.device)
+    layers = range(6)
+    expected = [run[:, host_pages] for run in _host_runs(host, layers)]
 
     def arrived(layer: int) -> bool:
+        now = _device_runs(device_pool, [layer])
         return all(
-            torch.equal(
-                scales[layer].view(torch.uint8).flatten(1)[device_pages].cpu(),
-                host.scale_geometry.host_page_layer(
-                    host.scale_host[side, host_pages], layer
-                ),
-            )
-            for side, scales in enumerate(sides)
+            torch.equal(part[0, device_pages], want[layer])
+            for part, want in zip(now, expected, strict=True)
         )
 
-    for layer in range(6):
+    for layer in layers:
         host.load_to_device_per_layer(
             device_pool, host_tokens, device_tokens, layer, IO_BACKEND
         )
@@ -343,92 +434,86 @@ def test_load_issues_scales_no_later_than_their_layer(make_pools):
             assert not any(arrived(later) for later in range(1, 6))
 
 
-def _scale_pages(device_pool, host) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device and host scales as [K/V, layer, page, page bytes] on the CPU."""
-    layers = range(host.layer_num)
-    device = torch.stack(
-        [
-            torch.stack([side[layer].view(torch.uint8).flatten(1) for layer in layers])
-            for side in (device_pool.k_scale_buffer, device_pool.v_scale_buffer)
-        ]
-    ).cpu()
-    page_layer = host.scale_geometry.host_page_layer
-    host_pages = torch.stack(
-        [
-            torch.stack([page_layer(host.scale_host[side], layer) for layer in layers])
-            for side in range(2)
-        ]
-    )
-    return device, host_pages
+MOVERS = {
+    "ours": lambda host, tables: transfer.PageChunkKernel(tables),
+    "fallback": lambda host, tables: transfer.SGLangChunkKernels(tables),
+}
+
+
+def _use_mover(host, name: str):
+    """``host`` with the mover ``name``, its prepared tables rebuilt."""
+    host._build_mover = lambda tables: MOVERS[name](host, tables)
+    host._initialize_transfer_views(None, None)
+    return host
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("host_indices_on", ["cpu", "gpu"])
-@pytest.mark.parametrize("kernel", ["ours", "sglang"])
-def test_scale_kernel_moves_exactly_its_chunks(
+@pytest.mark.parametrize("kernel", sorted(MOVERS))
+def test_mover_moves_exactly_its_pages(
     make_pools, device, kernel, host_indices_on, index_dtype
 ):
-    """The scale kernel alone, both directions: the named pages' chunks arrive,
-    every other byte on both sides stays. A backup takes host indices on the CPU
-    (the staged write-back) or on the GPU (SGLang's controller without it)."""
-    if host_indices_on == "gpu" and device == "cpu":
-        pytest.skip("no GPU: host indices are always on the CPU here")
+    """A mover alone, both directions: the named pages' runs arrive, every
+    other byte on both sides stays. A backup takes host indices on the CPU
+    (page_first's write path) or on the GPU."""
+    if device == "cpu" and (host_indices_on == "gpu" or index_dtype != torch.int64):
+        pytest.skip("no GPU: index tensors are CPU int64 here")
     device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=5)
-    if kernel == "sglang":
-        host._scale_kernel = scale_kernel.SGLangAllLayerKernel(
-            host.scale_geometry.row_bytes
-        )
-    scales = [*device_pool.k_scale_buffer, *device_pool.v_scale_buffer]
-    fill_random(scales, torch.Generator(device=device).manual_seed(1))
-    fill_random([host.scale_host], torch.Generator().manual_seed(2))
+    _use_mover(host, kernel)
+    layers = range(3)
+    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(1))
+    fill_random([host.kv_buffer], torch.Generator().manual_seed(2))
     device_pages, host_pages = torch.tensor([4, 1, 3]), torch.tensor([2, 0, 5])
     backup_hosts = page_token_indices(host_pages)
     if host_indices_on == "gpu":
         backup_hosts = backup_hosts.to(device, index_dtype)
-
-    device_before, host_before = _scale_pages(device_pool, host)
-    host._scale_kernel.backup(
-        host._backup_tables,
+    device_before, host_before = _device_runs(device_pool, layers), _host_runs(host, layers)
+    host._mover.move(
+        host._backup_prepared,
         backup_hosts,
         page_token_indices(device_pages).to(device, index_dtype),
-        host._scale_strides,
-        walk_layers=True,
+        to_host=True,
     )
-    device_after, host_after = _scale_pages(device_pool, host)
-    expected = host_before.clone()
-    expected[:, :, host_pages] = device_before[:, :, device_pages]
-    assert torch.equal(host_after, expected)
-    assert torch.equal(device_after, device_before)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for part, (dev_now, host_now) in enumerate(
+        zip(_device_runs(device_pool, layers), _host_runs(host, layers), strict=True)
+    ):
+        expected = host_before[part].clone()
+        expected[:, host_pages] = device_before[part][:, device_pages]
+        assert torch.equal(host_now, expected), f"part {part}"
+        assert torch.equal(dev_now, device_before[part])
 
-    fill_random(scales, torch.Generator(device=device).manual_seed(3))
-    device_before, host_before = _scale_pages(device_pool, host)
+    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(3))
+    device_before, host_before = _device_runs(device_pool, layers), _host_runs(host, layers)
     load_pages = torch.tensor([2, 5, 1])
-    host._scale_kernel.load(
-        host._backup_tables,
+    host._mover.move(
+        host._backup_prepared,
         page_token_indices(host_pages).to(device, index_dtype),
         page_token_indices(load_pages).to(device, index_dtype),
-        host._scale_strides,
-        walk_layers=False,
+        to_host=False,
     )
-    device_after, host_after = _scale_pages(device_pool, host)
-    expected = device_before.clone()
-    expected[:, :, load_pages] = host_before[:, :, host_pages]
-    assert torch.equal(device_after, expected)
-    assert torch.equal(host_after, host_before)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for part, (dev_now, host_now) in enumerate(
+        zip(_device_runs(device_pool, layers), _host_runs(host, layers), strict=True)
+    ):
+        expected = device_before[part].clone()
+        expected[:, load_pages] = host_before[part][:, host_pages]
+        assert torch.equal(dev_now, expected), f"part {part}"
+        assert torch.equal(host_now, host_before[part])
 
 
 def _snapshot(device_pool, host) -> list[torch.Tensor]:
-    """Every host byte and layer 0's device bytes, as uint8 (fp8 NaN != NaN)."""
-    tensors = [host.kv_buffer, host.scale_host]
-    tensors += [device_pool.k_buffer[0], device_pool.k_scale_buffer[0]]
+    """Every host byte and every device byte, as uint8 (fp8 NaN != NaN)."""
+    tensors = [host.kv_buffer, *device_buffers(device_pool)]
     return [t.view(torch.uint8).cpu().clone() for t in tensors]
 
 
 MISALIGNED = {
-    # name: (host pages as token lists, device pages as token lists)
-    "misaligned_host_page_backwards": "host page 1 is not one aligned run",
-    "misaligned_host_page_shifted": "host page 0 is not one aligned run",
-    "misaligned_partial_page": "are not whole pages of 128 tokens",
+    "misaligned_host_page_backwards": "page 1 is not one aligned run",
+    "misaligned_host_page_shifted": "page 0 is not one aligned run",
+    "misaligned_partial_page": "are not whole pages of 128",
 }
 
 
@@ -444,17 +529,14 @@ def _misaligned_indices(case: str) -> tuple[torch.Tensor, torch.Tensor]:
     return host_tokens, device_tokens
 
 
-@pytest.mark.parametrize("kernel", ["ours", "sglang"])
+@pytest.mark.parametrize("kernel", sorted(MOVERS))
 @pytest.mark.parametrize("case", sorted(MISALIGNED))
 def test_backup_refuses_before_a_byte_moves(make_pools, device, kernel, case):
-    """A backup of host pages that are not whole aligned runs raises before any
-    byte, payload or scale, reaches the host."""
+    """A backup of CPU host pages that are not whole aligned runs raises before
+    any byte reaches the host."""
     device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
-    if kernel == "sglang":
-        host._scale_kernel = scale_kernel.SGLangAllLayerKernel(
-            host.scale_geometry.row_bytes
-        )
-    fill_random([host.kv_buffer, host.scale_host], torch.Generator().manual_seed(3))
+    _use_mover(host, kernel)
+    fill_random([host.kv_buffer], torch.Generator().manual_seed(3))
     before = _snapshot(device_pool, host)
     host_tokens, device_tokens = _misaligned_indices(case)
     with pytest.raises(RuntimeError, match=MISALIGNED[case]):
@@ -469,20 +551,14 @@ def test_backup_refuses_before_a_byte_moves(make_pools, device, kernel, case):
     )
 
 
-@pytest.mark.parametrize("kernel", ["ours", "sglang"])
+@pytest.mark.parametrize("kernel", sorted(MOVERS))
 def test_load_refuses_partial_page_before_a_byte_moves(make_pools, device, kernel):
     device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
-    if kernel == "sglang":
-        host._scale_kernel = scale_kernel.SGLangAllLayerKernel(
-            host.scale_geometry.row_bytes
-        )
-    fill_random(
-        [*device_pool.k_buffer, *device_pool.k_scale_buffer],
-        torch.Generator(device=device).manual_seed(6),
-    )
+    _use_mover(host, kernel)
+    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(6))
     before = _snapshot(device_pool, host)
     host_tokens, device_tokens = _misaligned_indices("misaligned_partial_page")
-    with pytest.raises(RuntimeError, match="are not whole pages of 128 tokens"):
+    with pytest.raises(RuntimeError, match="are not whole pages of 128"):
         host.load_to_device_per_layer(
             device_pool, host_tokens.to(device), device_tokens.to(device), 0, IO_BACKEND
         )
@@ -495,20 +571,17 @@ def test_load_refuses_partial_page_before_a_byte_moves(make_pools, device, kerne
 
 
 def test_other_io_backend_moves_nothing(make_pools, device):
-    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
-
     device_pool, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
-    fill_random([host.kv_buffer, host.scale_host], torch.Generator().manual_seed(8))
+    fill_random([host.kv_buffer], torch.Generator().manual_seed(8))
     before = _snapshot(device_pool, host)
     tokens = page_token_indices(torch.tensor([1])).to(device)
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
-    ):
-        host.backup_from_device_all_layer(device_pool, tokens.cpu(), tokens, "direct")
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="use --hicache-io-backend kernel"
-    ):
-        host.load_to_device_per_layer(device_pool, tokens, tokens, 0, "direct")
+    match = "--hicache-io-backend kernel or direct"
+    with pytest.raises(MXFP8HiCacheConfigError, match=match):
+        host.backup_from_device_all_layer(
+            device_pool, tokens.cpu(), tokens, "kernel_ascend"
+        )
+    with pytest.raises(MXFP8HiCacheConfigError, match=match):
+        host.load_to_device_per_layer(device_pool, tokens, tokens, 0, "kernel_ascend")
     assert all(
         torch.equal(a, b)
         for a, b in zip(_snapshot(device_pool, host), before, strict=True)
@@ -518,56 +591,58 @@ def test_other_io_backend_moves_nothing(make_pools, device):
 def test_class_is_ours(make_pools):
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     assert type(host) is MHATokenToKVPoolMXFP8Host
-    assert isinstance(host._scale_kernel, scale_kernel.ScaleRowKernel)
+    assert isinstance(host._mover, transfer.PageChunkKernel)
 
 
 @pytest.mark.parametrize(
     "direction, side",
     [("load", "device"), ("load", "host"), ("backup", "device")],
 )
-def test_misaligned_gpu_indices_move_no_scales_and_raise_next(
+def test_misaligned_gpu_indices_move_nothing_and_raise_next(
     make_pools, device, direction, side
 ):
-    """Token indices that live on the GPU are checked by the kernel itself: the
-    scales of a page that is not one aligned run stay where they are, and the
-    pool's next transfer raises, naming the page (reading them on the CPU
-    would synchronise every transfer)."""
-    from sglang_mxfp8_hicache.scale_kernel import MXFP8ScaleIndexError
-
+    """Token indices that live on the GPU are checked by the kernel itself: a
+    page that is not one aligned run stays where it is, on both sides, and the
+    pool's next transfer raises, naming the page (reading them on the CPU would
+    synchronise every transfer)."""
+    if device == "cpu":
+        pytest.skip("no GPU: indices on the CPU are checked before the launch")
     device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=2)
-    fill_random([host.scale_host], torch.Generator().manual_seed(9))
-    scales = [*device_pool.k_scale_buffer, *device_pool.v_scale_buffer]
-    fill_random(scales, torch.Generator(device=device).manual_seed(10))
+    fill_random([host.kv_buffer], torch.Generator().manual_seed(9))
+    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(10))
     host_tokens = page_token_indices(torch.tensor([0, 1]))
     device_tokens = page_token_indices(torch.tensor([2, 1]))
     bad = host_tokens if side == "host" else device_tokens
     bad[128:] = bad[128:].flip(0)  # page 1 runs backwards from token 255
-    before = _scale_pages(device_pool, host)
+    layers = range(1) if direction == "load" else range(3)
+    before = (_device_runs(device_pool, layers), _host_runs(host, layers))
     if direction == "load":
-        # Layer 0 moves its own scales only (the next call would raise).
+        # Layer 0 is its own group (the next call would raise).
         host.load_to_device_per_layer(
             device_pool, host_tokens.to(device), device_tokens.to(device), 0, IO_BACKEND
         )
-        before = [side[:, :1] for side in before]
     else:
         host.backup_from_device_all_layer(
             device_pool, host_tokens, device_tokens.to(device), IO_BACKEND
         )
-    if device == "cuda":
-        torch.cuda.synchronize()
-    after = [side[:, : before[0].shape[1]] for side in _scale_pages(device_pool, host)]
+    torch.cuda.synchronize()
+    after = (_device_runs(device_pool, layers), _host_runs(host, layers))
     moved, kept = (0, 1) if direction == "load" else (1, 0)
-    # Page 0 of the transfer moved; page 1's chunks did not, on either side.
+    # Page 0 of the transfer moved; page 1 did not, on either side.
     src_page, dst_page = (0, 2) if direction == "load" else (2, 0)
-    assert torch.equal(after[moved][:, :, dst_page], before[kept][:, :, src_page])
-    assert torch.equal(after[kept], before[kept])
-    untouched = [p for p in range(after[moved].shape[2]) if p != dst_page]
-    assert torch.equal(after[moved][:, :, untouched], before[moved][:, :, untouched])
+    for part in range(4):
+        assert torch.equal(after[moved][part][:, dst_page], before[kept][part][:, src_page])
+        assert torch.equal(after[kept][part], before[kept][part])
+        pages = after[moved][part].shape[1]
+        untouched = [p for p in range(pages) if p != dst_page]
+        assert torch.equal(
+            after[moved][part][:, untouched], before[moved][part][:, untouched]
+        )
     with pytest.raises(
-        MXFP8ScaleIndexError, match=f"{side} page starting at token 255"
+        transfer.PageIndexError, match=f"{side} page starting at token 255"
     ):
         host.load_to_device_per_layer(
             device_pool, host_tokens.to(device), device_tokens.to(device), 0, IO_BACKEND
         )
     # Raised once: the pool serves the next transfer.
-    host._scale_kernel.raise_if_refused()
+    host._mover.raise_if_refused()

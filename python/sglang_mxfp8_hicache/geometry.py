@@ -1,5 +1,5 @@
-"""Byte geometry of block-scaled KV scales, shared by both transfer directions,
-sizing and storage.
+"""Byte geometry of block-scaled KV caches: formats, and the bytes of one side
+(K or V) of one layer, shared by the host page, sizing and the CLI.
 
 SGLang keeps a block-scaled KV cache as a packed payload plus one scale byte
 per block of elements, in scale tensors beside the payload:
@@ -9,14 +9,11 @@ per block of elements, in scale tensors beside the payload:
     fp4_mx_block16  2 x e2m1, 1/2 B    16 elements      (tokens, H * D // 16)             one row per token
     nvfp4           2 x e2m1, 1/2 B    16 elements      (tokens, H, D // 16)              one row per token
 
-Each layout holds the scales of one page and layer in one contiguous run of
-``page_bytes`` bytes, so one mechanism moves all three: whole pages of scales,
-cut into page chunks of ``row_bytes``. Chunk j of a page starts ``j *
-row_tokens`` tokens' worth of scale bytes into it, so a token index times a
-stride addresses it. In the token layouts a chunk holds those tokens' scales;
-in the interleaved one it does not (the first 512 B of an 8x128 page are head
-0's scales for all 128 tokens), and nothing here needs it to. A format is a
-small :class:`ScaleFormat`; nothing else in the package knows one from another.
+Each layout holds the payload of one page and layer in one contiguous run of
+``payload_page_bytes`` and its scales in one of ``page_bytes``, so one
+mechanism moves all three: whole page runs (``page.py``). Nothing needs to know
+what a scale byte means. A format is a small :class:`ScaleFormat`; nothing
+else in the package knows one from another.
 
 This module imports no CUDA code, so the CLI's ``size`` command and the CPU tests
 can use it anywhere.
@@ -31,13 +28,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
-
-SCALE_ROW_BYTES = 512
-"""Narrowest page chunk, one kernel worker's unit: narrow chunks keep more
-workers busy for few pages, wide ones read fewer indices per byte. On an H100,
-512 B chunks beat 128 B chunks on large loads and lost to them only on one-page
-loads (docs/benchmarks.md). A multiple of 128 B, as the kernel needs on CUDA."""
-
 
 @dataclass(frozen=True)
 class ScaleFormat:
@@ -122,31 +112,22 @@ def buffer_scale_format(buffer_info: MHABufferInfo) -> ScaleFormat | None:
 
 @dataclass(frozen=True)
 class ScaleGeometry:
-    """Scale bytes of one KV side (K or V) per page and per token, for one layer.
-
-    K and V must agree because SGLang's MHA host pool keeps one head_dim for
-    both; the asymmetric case has a host class of its own that we do not extend.
-    """
+    """Bytes of one KV side (K or V) of one layer: its payload and its scales,
+    per token and per page. K and V each have one (asymmetric heads differ)."""
 
     head_num: int
     head_dim: int
     page_size: int
     fmt: ScaleFormat = MXFP8
-    min_row_bytes: int = SCALE_ROW_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("head_num", "head_dim", "page_size", "min_row_bytes"):
+        for name in ("head_num", "head_dim", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.head_dim % self.fmt.sf_block:
             raise ValueError(
                 f"{self.fmt.name} needs head_dim divisible by {self.fmt.sf_block}, "
                 f"got {self.head_dim}"
-            )
-        if self.page_size % self.row_tokens:
-            raise ValueError(
-                f"page_size {self.page_size} is not a multiple of the {self.row_tokens} "
-                "tokens of one scale row"
             )
 
     @property
@@ -156,92 +137,46 @@ class ScaleGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        """Scale bytes of one side (K or V) per token and layer."""
+        """Scale bytes per token."""
         return self.head_num * self.sf_dim
 
     @property
     def page_bytes(self) -> int:
-        """Scale bytes of one side per page and layer: one contiguous device run."""
+        """Scale bytes per page: one contiguous device run."""
         return self.bytes_per_token * self.page_size
 
     @property
-    def payload_bytes_per_token(self) -> int:
-        """Payload bytes of one side per token and layer (half a byte per
-        element for FP4, where ``MHABufferInfo`` counts one)."""
-        return self.head_num * self.payload_head_bytes
-
-    @property
     def payload_head_bytes(self) -> int:
-        """Payload bytes of one head and token: the device rows' real width."""
+        """Payload bytes of one head and token: the device rows' real width
+        (half a byte per element for FP4, where ``MHABufferInfo`` counts one)."""
         return self.fmt.payload_bytes(self.head_dim)
 
     @property
-    def row_tokens(self) -> int:
-        """The size of a page chunk in tokens' worth of scale bytes: the fewest
-        tokens whose scale bytes are a multiple of ``min_row_bytes``. A chunk
-        starts at a token index (times the stride); in the interleaved layout
-        it holds a slice of the page's scales, not these tokens' own."""
-        tokens = self.min_row_bytes // math.gcd(
-            self.bytes_per_token, self.min_row_bytes
-        )
-        return min(tokens, self.page_size)
+    def payload_bytes_per_token(self) -> int:
+        return self.head_num * self.payload_head_bytes
 
     @property
-    def row_bytes(self) -> int:
-        """Bytes of one page chunk: one kernel worker's copy, per layer and side."""
-        return self.row_tokens * self.bytes_per_token
-
-    @property
-    def rows_per_page(self) -> int:
-        return self.page_size // self.row_tokens
-
-    def host_page_layer(self, host_pages: torch.Tensor, layer: int) -> torch.Tensor:
-        """One layer's pages, in device byte order, from host pages of one side.
-
-        The host keeps a page as ``(rows_per_page, layers, row_bytes)``, so that
-        the kernel reaches chunk ``j`` of layer ``l`` from a token index times
-        one fixed stride (see ``host_pool``).
-        """
-        return host_pages[..., layer, :].flatten(-2)
-
-    def storage_format_tag(self, *, layer_num: int, version: int) -> str:
-        """SGLang's L3 key tag for pages of this geometry.
-
-        Names the format, its version and every number that fixes a page's
-        bytes (layers, heads, head_dim, page size, and the chunk the host
-        scales are cut in), so that a page of another format, version or
-        geometry never shares a key with one of ours.
-        """
-        return (
-            f"{self.fmt.name}v{version}-l{layer_num}h{self.head_num}d{self.head_dim}"
-            f"p{self.page_size}r{self.row_tokens}"
-        )
-
-    def host_bytes(self, *, page_num: int, layer_num: int) -> int:
-        """Host bytes of the K and V scale mirrors for ``page_num`` pages."""
-        return 2 * page_num * layer_num * self.page_bytes
+    def payload_page_bytes(self) -> int:
+        """Payload bytes per page: one contiguous device run."""
+        return self.payload_bytes_per_token * self.page_size
 
     @classmethod
     def from_device_scales(
         cls,
-        k_scale: torch.Tensor,
-        v_scale: torch.Tensor,
+        scale: torch.Tensor,
         *,
         fmt: ScaleFormat,
         head_num: int,
         head_dim: int,
         page_size: int,
-        min_row_bytes: int = SCALE_ROW_BYTES,
+        side: str = "k",
     ) -> ScaleGeometry:
         """Geometry from the format, cross-checked against one layer's device
-        tensors: one contiguous byte per scale, and whole pages of the layout
-        the format keeps (one page or one token per leading index)."""
+        scale tensor of this side: one contiguous byte per scale, and whole
+        pages of the layout the format keeps (one page or one token per
+        leading index)."""
         geometry = cls(
-            head_num=head_num,
-            head_dim=head_dim,
-            page_size=page_size,
-            fmt=fmt,
-            min_row_bytes=min_row_bytes,
+            head_num=head_num, head_dim=head_dim, page_size=page_size, fmt=fmt
         )
         unit, unit_name = (
             (geometry.page_bytes, f"one page of {geometry.page_bytes} bytes")
@@ -251,19 +186,15 @@ class ScaleGeometry:
                 f"one token of {geometry.bytes_per_token} bytes",
             )
         )
-        for side, scale in (("k", k_scale), ("v", v_scale)):
-            if scale.element_size() != 1 or not scale.is_contiguous():
-                raise ValueError(
-                    f"{side} scale buffer must be contiguous 1-byte scales, got "
-                    f"dtype={scale.dtype} strides={tuple(scale.stride())}"
-                )
-            if (
-                math.prod(scale.shape[1:]) != unit
-                or scale.numel() % geometry.page_bytes
-            ):
-                raise ValueError(
-                    f"{side} scale buffer shape {tuple(scale.shape)} does not hold "
-                    f"{unit_name} per leading index in whole pages, as "
-                    f"{fmt.name} with {head_num} heads of {head_dim} keeps them"
-                )
+        if scale.element_size() != 1 or not scale.is_contiguous():
+            raise ValueError(
+                f"{side} scale buffer must be contiguous 1-byte scales, got "
+                f"dtype={scale.dtype} strides={tuple(scale.stride())}"
+            )
+        if math.prod(scale.shape[1:]) != unit or scale.numel() % geometry.page_bytes:
+            raise ValueError(
+                f"{side} scale buffer shape {tuple(scale.shape)} does not hold "
+                f"{unit_name} per leading index in whole pages, as "
+                f"{fmt.name} with {head_num} heads of {head_dim} keeps them"
+            )
         return geometry

@@ -10,8 +10,10 @@ SGLang would pick itself, and SGLang's own answer for everything else; and it
 refuses, wherever a host stack is built, a device pool whose nvfp4 scales live
 outside what a host pool is given (``refuse_native_fp4_scales``).
 It also hooks SGLang's storage backend factory (see ``storage``): for our pools
-it refuses, by name, a backend that cannot carry MXFP8 pages, and makes a
-stored page of the wrong size a miss on the backends it allows.
+it refuses, by name, a backend that cannot carry block-scaled pages, and makes
+a stored page of the wrong size a miss on the backends it allows; and it keeps
+SGLang from allocating GPU staging for its payload write-back kernel, which
+our pools never use (``skip_payload_staging``).
 
 Environment:
     SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
@@ -40,6 +42,7 @@ HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
 HOST_INPUTS_HOOK_TARGET = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs"
 )
+STAGING_HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.prepare_mha_write_back_staging"
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
 """The first release with an MXFP8 HiCache host pool of its own; older ones
@@ -129,6 +132,19 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
     return original(pool, drafts)
 
 
+def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
+    """AROUND hook on ``prepare_mha_write_back_staging``: no device staging for
+    a pool of ours.
+
+    SGLang sizes GPU staging for its own page_first write-back kernel before it
+    measures the KV budget (2 x 64 pages of every layer's payload: 512 MiB for
+    32 layers of 8x128 fp8); our pool moves pages without it.
+    """
+    if claims(buffer_info) is not None:
+        return None
+    return original(buffer_info, **kwargs)
+
+
 def _log_unsupported(found: str | None) -> None:
     """No hook on an unsupported SGLang; on one without an MXFP8 host pool of its
     own, that means silent scale loss, so say so as an error."""
@@ -188,4 +204,5 @@ def register() -> None:
     HookRegistry.register(
         storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend, HookType.AROUND
     )
+    HookRegistry.register(STAGING_HOOK_TARGET, skip_payload_staging, HookType.AROUND)
     _registered = True

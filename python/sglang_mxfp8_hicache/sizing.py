@@ -16,10 +16,6 @@ from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat, ScaleGeom
 
 PAGE_SIZE = 128
 """MXFP8's page size, and the default for the others."""
-JIT_ROW_GROUP_BYTES = 128
-"""SGLang's JIT HiCache kernels move a token's row in whole groups of this many
-bytes on CUDA (``GROUP_BYTES`` in ``sglang.kernels.ops.kvcache.hicache``); the
-host pool asks SGLang itself, this CUDA-free module cannot."""
 SMALLEST_SCALE_BLOCK = min(f.sf_block for f in FORMATS.values())
 SCALED_HEAD_DIMS = "a multiple of the scale block: " + ", ".join(
     f"{f.sf_block} for {f.name}" for f in FORMATS.values()
@@ -204,13 +200,6 @@ def host_plan(
     scales = ScaleGeometry(
         head_num=heads, head_dim=model.head_dim, page_size=page_size, fmt=fmt
     )
-    if scales.payload_bytes_per_token % JIT_ROW_GROUP_BYTES:
-        raise SizingError(
-            f"{heads} KV heads of {model.head_dim} per rank are a "
-            f"{scales.payload_bytes_per_token} B {fmt.name} payload row, which "
-            f"SGLang's JIT HiCache kernels do not move (whole {JIT_ROW_GROUP_BYTES} B "
-            "groups on CUDA): the host pool refuses it; use a lower --tp-size"
-        )
     payload = 2 * scales.payload_bytes_per_token * model.layers
     scale = 2 * scales.bytes_per_token * model.layers
 

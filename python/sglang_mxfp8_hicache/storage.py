@@ -1,8 +1,9 @@
 """L3 storage of block-scaled pages (MXFP8, FP4): which SGLang backends may carry
 them, and a size check.
 
-The page format itself is the host pool's (``get_page_buffer_meta``,
-``get_data_page``, ``storage_format_tag``; docs/design.md). This module hooks
+The stored page is the host page itself (``page.HostPage``: one span, K part
+then V part; ``get_page_buffer_meta`` gives one pointer and size per part, the
+flat page is a view of the span; docs/design.md). This module hooks
 ``StorageBackendFactory.create_backend`` (AROUND), which every backend SGLang
 builds passes, at startup and through ``attach_storage_backend`` alike. For a
 pool of ours it
@@ -91,7 +92,6 @@ def guard_storage_backend(
     pool itself (never a group): a backend is ours to guard when that is ours.
     """
     from sglang_mxfp8_hicache.host_pool import (
-        STORAGE_LAYOUT,
         MHATokenToKVPoolMXFP8Host,
         MXFP8HiCacheConfigError,
     )
@@ -99,13 +99,8 @@ def guard_storage_backend(
     if not isinstance(mem_pool_host, MHATokenToKVPoolMXFP8Host):
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
-    name = pool.scale_geometry.fmt.name
+    name = pool.host_page.fmt.name
     reason = storage_refusal(backend_name, name)
-    if reason is None and pool.layout != STORAGE_LAYOUT:
-        reason = (
-            f"L3 storage of {name} pages needs --hicache-mem-layout {STORAGE_LAYOUT}, "
-            f"the host pool is {pool.layout!r}"
-        )
     if reason is not None:
         raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, pool, **kwargs)

@@ -134,28 +134,26 @@ def page_bytes(pool: Any) -> int:
 
 def fill_random(pool: Any, generator: torch.Generator) -> None:
     """Every host byte random (uniform over 0-255, 8 bytes per draw)."""
-    for rows in host_page_rows(pool):
-        flat = rows.view(-1)
-        if flat.numel() % 8 == 0:
-            flat.view(torch.int64).random_(
-                torch.iinfo(torch.int64).min, None, generator=generator
-            )
-        else:
-            flat.random_(0, 256, generator=generator)
+    flat = pool.kv_buffer.view(torch.uint8).view(-1)
+    if flat.numel() % 8 == 0:
+        flat.view(torch.int64).random_(
+            torch.iinfo(torch.int64).min, None, generator=generator
+        )
+    else:
+        flat.random_(0, 256, generator=generator)
 
 
 def _poison(pool: Any, pages: torch.Tensor) -> None:
-    for rows in host_page_rows(pool):
-        rows[:, pages] = POISON
+    host_page_rows(pool)[pages] = POISON
 
 
 def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
     """Host pages ``got`` hold the bytes of pages ``put``, payload and scales."""
-    for rows in host_page_rows(pool):
-        for start in range(0, len(got), VERIFY_CHUNK_PAGES):
-            chunk = slice(start, start + VERIFY_CHUNK_PAGES)
-            if not torch.equal(rows[:, got[chunk]], rows[:, put[chunk]]):
-                return False
+    rows = host_page_rows(pool)
+    for start in range(0, len(got), VERIFY_CHUNK_PAGES):
+        chunk = slice(start, start + VERIFY_CHUNK_PAGES)
+        if not torch.equal(rows[got[chunk]], rows[put[chunk]]):
+            return False
     return True
 
 

@@ -803,7 +803,7 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     for host in host_indices:
         controller.evict_host(host)
     host_pool = controller.storage_host_pool
-    fill_random(host_page_rows(host_pool), torch.Generator().manual_seed(8))
+    fill_random([host_page_rows(host_pool)], torch.Generator().manual_seed(8))
     # 7. L3 -> L2: the hit query, the host allocation the radix cache makes,
     #    then the prefetch I/O thread.
     controller.prefetch(CacheRequestHandle(rid="e2e-l3", attempt_id=0), tokens)

@@ -207,14 +207,19 @@ def device_buffers(pool: MHATokenToKVPoolMXFP8) -> list[torch.Tensor]:
     return [*pool.k_buffer, *pool.v_buffer, *pool.k_scale_buffer, *pool.v_scale_buffer]
 
 
-def host_page_rows(pool: MHATokenToKVPoolHost) -> list[torch.Tensor]:
-    """A page_first host pool's bytes as (K/V, page, bytes) uint8 views: the
-    payload, then the scale mirror where the pool has one."""
-    rows = [pool.kv_buffer.view(torch.uint8).reshape(2, pool.page_num, -1)]
-    scale_host = getattr(pool, "scale_host", None)
-    if scale_host is not None:
-        rows.append(scale_host.view(torch.uint8).reshape(2, pool.page_num, -1))
-    return rows
+def host_page_rows(
+    pool: MHATokenToKVPoolHost, kv_buffer: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A host pool's bytes (or ``kv_buffer``, a copy of them) with the page
+    first, as a uint8 view: ours is (pages, span bytes); SGLang's page_first /
+    layer_first payload pools are (pages, K/V, bytes) and (pages, K/V, layers,
+    bytes)."""
+    raw = (pool.kv_buffer if kv_buffer is None else kv_buffer).view(torch.uint8)
+    if raw.dim() == 2 and raw.shape[0] == pool.page_num:
+        return raw
+    if pool.layout == "layer_first":
+        return raw.reshape(2, pool.layer_num, pool.page_num, -1).permute(2, 0, 1, 3)
+    return raw.reshape(2, pool.page_num, -1).transpose(0, 1)
 
 
 def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
@@ -273,6 +278,7 @@ def round_trip(
     seed: int = 0,
     drafts: Sequence[MHATokenToKVPoolMXFP8] = (),
     layer_order: Sequence[int] | None = None,
+    io_backend: str = IO_BACKEND,
 ) -> RoundTripResult:
     """Back up ``pages`` random device pages, clobber the device, load them elsewhere.
 
@@ -298,9 +304,6 @@ def round_trip(
         n >= 2 * pool.layer_num for pool in pools for n in range(4 * pool.layer_num)
     ]
     host_tensors = [host_pool.kv_buffer]
-    scale_host = getattr(host_pool, "scale_host", None)
-    if scale_host is not None:
-        host_tensors.append(scale_host)
 
     gen = torch.Generator(device=device).manual_seed(seed)
     fill_random(device_tensors, gen)
@@ -309,8 +312,10 @@ def round_trip(
     perm = torch.randperm(device_page_num, generator=cpu) + 1
     src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
     host_pages = torch.randperm(host_page_num, generator=cpu)[:pages]
-    src_tokens = page_token_indices(src_pages, page_size).to(device)
-    dst_tokens = page_token_indices(dst_pages, page_size).to(device)
+    direct = io_backend == "direct"
+    index_device = "cpu" if direct else device
+    src_tokens = page_token_indices(src_pages, page_size).to(index_device)
+    dst_tokens = page_token_indices(dst_pages, page_size).to(index_device)
     host_tokens = page_token_indices(host_pages, page_size)
 
     saved = _device_pages(device_pool, device_tensors)
@@ -320,9 +325,9 @@ def round_trip(
     start = time.perf_counter()
     host_pool.backup_from_device_all_layer(
         device_pool,
-        backup_host_indices(host_pool, host_tokens, device),
+        host_tokens if direct else backup_host_indices(host_pool, host_tokens, device),
         src_tokens,
-        IO_BACKEND,
+        io_backend,
     )
     synchronize(device)
     backup_seconds = time.perf_counter() - start
@@ -331,7 +336,7 @@ def round_trip(
 
     fill_random(device_tensors, gen)
     clobbered = _device_pages(device_pool, device_tensors)
-    host_tokens_dev = host_tokens.to(device)
+    host_tokens_dev = host_tokens.to(index_device)
     synchronize(device)
     start = time.perf_counter()
     target_layers = device_pool.layer_num
@@ -341,7 +346,7 @@ def round_trip(
     for step in range(max(target_layers, len(drafts))):
         if step < target_layers:
             host_pool.load_to_device_per_layer(
-                device_pool, host_tokens_dev, dst_tokens, order[step], IO_BACKEND
+                device_pool, host_tokens_dev, dst_tokens, order[step], io_backend
             )
         if step < len(drafts):
             host_pool.load_to_device_per_layer(
@@ -349,7 +354,7 @@ def round_trip(
                 host_tokens_dev,
                 dst_tokens,
                 target_layers + step,
-                IO_BACKEND,
+                io_backend,
                 is_draft=True,
             )
     synchronize(device)
@@ -392,23 +397,6 @@ def _host_untouched(
     """Host pages outside the backup still hold their random bytes."""
     untouched = torch.ones(host_pool.page_num, dtype=torch.bool)
     untouched[host_pages] = False
-    for n, (now, was) in enumerate(zip(host_tensors, before, strict=True)):
-        # host_tensors[0] is kv_buffer: (2, tokens, L, ...) for page_first,
-        # (2, L, tokens, ...) for layer_first; scale_host is (2, pages, ...).
-        layer_major = n == 0 and host_pool.layout == "layer_first"
-        now_rows, was_rows = (_page_rows(host_pool, t, layer_major) for t in (now, was))
-        if not torch.equal(now_rows[:, untouched], was_rows[:, untouched]):
-            return False
-    return True
-
-
-def _page_rows(
-    host_pool: MHATokenToKVPoolHost, tensor: torch.Tensor, layer_major: bool
-) -> torch.Tensor:
-    """A host tensor as (2, pages, bytes)."""
-    raw = tensor.view(torch.uint8)
-    if layer_major:
-        return raw.reshape(2, host_pool.layer_num, host_pool.page_num, -1).transpose(
-            1, 2
-        )
-    return raw.reshape(2, host_pool.page_num, -1)
+    now = host_page_rows(host_pool)
+    was = host_page_rows(host_pool, before[0])
+    return torch.equal(now[untouched], was[untouched])

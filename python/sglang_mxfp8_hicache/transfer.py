@@ -1,0 +1,344 @@
+"""The kernels that move page chunks: ours, and SGLang's JIT kernels as the fallback.
+
+A transfer moves whole pages of some layers. For each (page, layer) it moves
+four runs (``page.PARTS``: K payload, K scales, V payload, V scales) between a
+device page number times the run's bytes and a host page number times the host
+page's bytes. Both movers take the same per-layer base addresses (device bases
+of the four runs, then host bases, ``PageChunkTables``) and the transfer's own
+token index tensors.
+
+- :class:`PageChunkKernel` is ours (``csrc/page_chunks.cuh``, built by SGLang's
+  JIT loader): one launch per transfer (per 128 pages when indices sit on the
+  CPU), reading each page's first token index itself, so nothing is prepared
+  per transfer. It checks GPU-resident index values in the kernel: a page that
+  is not one aligned run is not moved, and the pool's next transfer raises
+  :class:`PageIndexError` (the CPU reading them would synchronise every call).
+- :class:`SGLangChunkKernels` is SGLang's own all-layer JIT kernel
+  (``transfer_hicache_all_layer_mla``) with page numbers as indices and one
+  pointer-table entry per (layer, slice of a run), so each element is at most
+  32 KiB: one launch per run size (two for symmetric heads, four otherwise),
+  and the page numbers are gathered on every transfer. It is what a pool uses
+  when ours does not build (another CUDA toolchain, a change in the SGLang
+  headers ours includes); it checks no index values.
+
+Both refuse, before anything moves, a transfer whose index count is not whole
+pages, and index tensors on the CPU whose pages are not aligned runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from sglang.kernels.jit.utils import cache_once, load_jit, make_cpp_args
+from sglang.kernels.ops.kvcache import hicache
+
+from sglang_mxfp8_hicache.page import PARTS, HostPage
+
+if TYPE_CHECKING:
+    from tvm_ffi.module import Module
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "page_chunks.cuh"
+BLOCK_SIZE = 1024
+UNROLL = 4
+MAX_BLOCKS = 8
+"""Thread blocks of 1024 one launch of ours may take (``docs/benchmarks.md``)."""
+VECTOR_BYTES = (16, 8, 4, 2, 1)
+FALLBACK_MAX_ELEMENT = 32 * 1024
+"""Largest element SGLang's JIT kernels move (its TMA kernel's row limit)."""
+TABLE_WIDTH = 2 * len(PARTS)
+
+
+class PageIndexError(RuntimeError):
+    """A transfer named GPU token indices that are not whole aligned pages."""
+
+
+class TransferUnavailable(RuntimeError):
+    """Neither our kernel nor SGLang's moves these page chunks."""
+
+
+def vector_bytes(sizes: Sequence[int]) -> int:
+    """The widest vector that divides every run size and offset."""
+    return next(v for v in VECTOR_BYTES if all(size % v == 0 for size in sizes))
+
+
+@dataclass(frozen=True)
+class PageChunkTables:
+    """Per layer, the device base address of each run, then its host base
+    address (device-accessible) in host page 0; host page h adds h *
+    ``host_stride``."""
+
+    bases: tuple[tuple[int, ...], ...]
+    host_stride: int
+    page_size: int
+    run_bytes: tuple[int, int, int, int]
+    device: torch.device
+
+    @property
+    def layer_num(self) -> int:
+        return len(self.bases)
+
+
+def check_transfer_pages(
+    host_indices: torch.Tensor, device_indices: torch.Tensor, page_size: int, what: str
+) -> None:
+    """Counts of whole pages, and on each CPU-resident side, every page one
+    aligned run (its first and last token), as ``csrc/page_chunks.cuh`` checks."""
+    count = device_indices.numel()
+    if host_indices.numel() != count:
+        raise RuntimeError(
+            f"{what}: {host_indices.numel()} host and {count} device token indices"
+        )
+    if count % page_size:
+        raise RuntimeError(
+            f"{what}: {count} token indices are not whole pages of {page_size} tokens"
+        )
+    for indices in (host_indices, device_indices):
+        if indices.device.type != "cpu":
+            continue
+        pages = indices.view(-1, page_size)
+        starts = pages[:, 0]
+        runs = (starts >= 0) & (starts % page_size == 0)
+        runs &= pages[:, -1] == starts + page_size - 1
+        bad = (~runs).nonzero()
+        if bad.numel():
+            page = int(bad[0])
+            raise RuntimeError(
+                f"{what}: page {page} is not one aligned run of {page_size} "
+                f"tokens (it starts at token {int(starts[page])})"
+            )
+
+
+class PageChunkMover(Protocol):
+    name: str
+
+    def prepare(self, layers: range) -> object:
+        """What ``move`` needs for these layers, made once (not per transfer)."""
+
+    def move(
+        self,
+        prepared: object,
+        host_indices: torch.Tensor,
+        device_indices: torch.Tensor,
+        *,
+        to_host: bool,
+    ) -> None: ...
+
+    def raise_if_refused(self) -> None:
+        """Raise if an earlier launch refused a page (see the module docstring)."""
+
+
+@cache_once
+def page_chunks_module(vector: int) -> Module:
+    """Our ``transfer`` entry point for runs of whole ``vector``-byte words."""
+    args = make_cpp_args(vector, UNROLL, BLOCK_SIZE)
+    return load_jit(
+        "sglang_mxfp8_hicache_page_chunks",
+        *args,
+        cuda_files=[str(SOURCE)],
+        cuda_wrappers=[
+            ("transfer", f"&sglang_mxfp8_hicache::PageChunkKernel<{args}>::transfer")
+        ],
+    )
+
+
+class PageChunkKernel:
+    """Ours: one FFI call and one launch per transfer."""
+
+    name = "sglang-mxfp8-hicache page_chunks"
+
+    def __init__(
+        self,
+        tables: PageChunkTables,
+        *,
+        max_blocks: int = MAX_BLOCKS,
+        check_gpu_indices: bool = True,
+    ) -> None:
+        self._tables = tables
+        offsets = [base for layer in tables.bases for base in layer]
+        self._module = page_chunks_module(
+            vector_bytes([*tables.run_bytes, tables.host_stride, *offsets])
+        )
+        self._all = torch.tensor(tables.bases, dtype=torch.uint64, device=tables.device)
+        self._max_blocks = max_blocks
+        # Pinned, so the kernel can write it and the CPU read it without a copy.
+        words = 2 if check_gpu_indices else 0
+        pinned = torch.cuda.is_available()
+        self._refused = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
+        self._refused_words = self._refused.numpy()
+
+    def prepare(self, layers: range) -> torch.Tensor:
+        return self._all[layers.start : layers.stop]
+
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+        tables = self._tables
+        self._module.transfer(
+            prepared,
+            self._refused,
+            host_indices,
+            device_indices,
+            tables.host_stride,
+            *tables.run_bytes,
+            tables.page_size,
+            to_host,
+            self._max_blocks,
+        )
+
+    def raise_if_refused(self) -> None:
+        side, first_token = self._refused_words.tolist() or (0, 0)
+        if not side:
+            return
+        self._refused.zero_()
+        raise PageIndexError(
+            f"an earlier block-scaled HiCache transfer named a "
+            f"{('device', 'host')[side - 1]} page starting at token {first_token} "
+            "that is not one aligned run of whole-page token indices: that page "
+            "was not moved. HiCache hands a host pool whole pages; whatever sent "
+            "these did not."
+        )
+
+
+@dataclass(frozen=True)
+class _SGLangLaunch:
+    """One launch of SGLang's kernel: the runs of one device page size, as
+    (layer, slice) entries of ``element`` bytes."""
+
+    device_table: torch.Tensor
+    host_table: torch.Tensor
+    element: int
+    device_stride: int
+
+
+def fallback_element(run_bytes: int) -> int | None:
+    """The largest slice of a run that SGLang's JIT kernels move, or None."""
+    for pieces in range(1, run_bytes // 16 + 1):
+        element, rest = divmod(run_bytes, pieces)
+        if rest or element > FALLBACK_MAX_ELEMENT or element % 16:
+            continue
+        if hicache.can_use_hicache_jit_kernel(element_size=element):
+            return element
+    return None
+
+
+class SGLangChunkKernels:
+    """SGLang's ``transfer_hicache_all_layer_mla`` over page numbers."""
+
+    name = "SGLang's transfer_hicache_all_layer_mla"
+
+    def __init__(self, tables: PageChunkTables) -> None:
+        self._tables = tables
+        # Runs with the same device page size share a launch (K and V of
+        # symmetric heads).
+        self._groups: dict[int, list[int]] = {}
+        for part, size in enumerate(tables.run_bytes):
+            self._groups.setdefault(size, []).append(part)
+        self._elements = {size: fallback_element(size) for size in self._groups}
+        missing = [size for size, element in self._elements.items() if element is None]
+        if missing:
+            raise TransferUnavailable(
+                f"SGLang's JIT HiCache kernels move no slice of runs of {missing} B"
+            )
+
+    def prepare(self, layers: range) -> list[_SGLangLaunch]:
+        tables = self._tables
+        launches = []
+        for size, parts in self._groups.items():
+            element = self._elements[size]
+            slices = range(0, size, element)
+            device, host = (
+                [
+                    tables.bases[layer][part + side] + offset
+                    for part in parts
+                    for layer in layers
+                    for offset in slices
+                ]
+                for side in (0, len(PARTS))
+            )
+            launches.append(
+                _SGLangLaunch(
+                    device_table=torch.tensor(device, dtype=torch.uint64, device=tables.device),
+                    host_table=torch.tensor(host, dtype=torch.uint64, device=tables.device),
+                    element=element,
+                    device_stride=size,
+                )
+            )
+        return launches
+
+    def _page_numbers(
+        self, host_indices: torch.Tensor, device_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each page's number, both sides on the GPU in one dtype."""
+        page_size, device = self._tables.page_size, self._tables.device
+        dtype = (
+            device_indices.dtype if device_indices.device.type != "cpu" else torch.int64
+        )
+        pages = []
+        for indices in (host_indices, device_indices):
+            numbers = indices[::page_size] // page_size
+            if numbers.device != device:
+                if device.type == "cuda":
+                    numbers = numbers.pin_memory()
+                numbers = numbers.to(device, non_blocking=True)
+            pages.append(numbers.to(dtype).contiguous())
+        return pages[0], pages[1]
+
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+        what = "block-scaled HiCache " + ("backup" if to_host else "load")
+        check_transfer_pages(
+            host_indices, device_indices, self._tables.page_size, what
+        )
+        host_pages, device_pages = self._page_numbers(host_indices, device_indices)
+        host_stride = self._tables.host_stride
+        for launch in prepared:
+            device = (launch.device_table, device_pages, launch.device_stride)
+            host = (launch.host_table, host_pages, host_stride)
+            (src, src_pages, src_stride), (dst, dst_pages, dst_stride) = (
+                (device, host) if to_host else (host, device)
+            )
+            hicache.transfer_hicache_all_layer_mla(
+                dst,
+                dst_pages,
+                src,
+                src_pages,
+                cache_src_stride_bytes=src_stride,
+                cache_dst_stride_bytes=dst_stride,
+                element_size=launch.element,
+            )
+
+    def raise_if_refused(self) -> None:
+        """SGLang's kernel checks no index values; nothing is ever refused."""
+
+
+def build_mover(
+    tables: PageChunkTables, *, pool_label: str, prefer_ours: bool = True
+) -> PageChunkMover:
+    """Ours if it builds, else SGLang's JIT kernel, with one warning."""
+    ours_error = None
+    if prefer_ours:
+        try:
+            return PageChunkKernel(tables)
+        except Exception as exc:
+            ours_error = exc
+    try:
+        mover = SGLangChunkKernels(tables)
+    except Exception as exc:
+        reason = f"ours: {ours_error}; " if ours_error else ""
+        raise TransferUnavailable(
+            f"no kernel moves these page chunks ({reason}SGLang's: {exc})"
+        ) from exc
+    if ours_error is not None:
+        logger.warning(
+            "%s: the page-chunk kernel (%s) failed to build: %s. Pages move "
+            "through %s instead: the same bytes, slower on small transfers.",
+            pool_label,
+            SOURCE.name,
+            ours_error,
+            mover.name,
+        )
+    return mover
