@@ -46,7 +46,7 @@ def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> bench_l3.Repo
         geometry=(8, 128, 4),
         reps=3,
         warmup=1,
-        format_tag="mxfp8v1-test",
+        format_tag="mxfp8v2-test",
         page_bytes={"mxfp8": 1056, "payload": 1024},
         cells=[cell(1, 2.0, 2.0), cell(64, put_ratio, get_ratio)],
         meta={"sglang_version": "0.5.23", "device": "Fake GPU"},
@@ -187,7 +187,7 @@ def check_report(report: bench_l3.Report) -> None:
     assert [c.pages for c in report.cells] == [1, 2]
     assert report.page_bytes == TINY_PAGE
     assert report.byte_ratio == 1.03125
-    assert report.format_tag.startswith("mxfp8v1-l2h1d128p128")
+    assert report.format_tag.startswith("mxfp8v2-l2h1d128p128")
     for cell in report.cells:
         for d in bench_l3.DIRECTIONS:
             for pool in bench_l3.POOLS:

@@ -312,7 +312,7 @@ BAD_INPUTS = [
     ),
     bad(
         "bench_unknown_ablation",
-        ["bench", "--ablations", "rows128,nope"],
+        ["bench", "--ablations", "blocks2,nope"],
         "unknown ablation(s) ['nope']",
         "stock",
     ),
@@ -357,7 +357,7 @@ BAD_INPUTS = [
     ),
     bad(
         "l3_with_ablations",
-        ["bench", "--l3", "file", "--ablations", "rows128"],
+        ["bench", "--l3", "file", "--ablations", "blocks2"],
         "--ablations",
     ),
     bad(

@@ -2,47 +2,53 @@ import pytest
 import torch
 
 from sglang_mxfp8_hicache.geometry import FP4_MX_BLOCK16, NVFP4, ScaleGeometry
+from sglang_mxfp8_hicache.page import HostPage
 from sglang_mxfp8_hicache.sizing import ModelGeometry, SizingError, host_plan
 
 
 @pytest.mark.parametrize(
-    "heads, head_dim, page_bytes, row_tokens",
+    "heads, head_dim, page_bytes",
     [
-        (1, 128, 512, 128),
-        (8, 128, 4096, 16),
-        (32, 128, 16384, 4),
-        (8, 256, 8192, 8),
-        (2, 64, 512, 128),
-        (64, 128, 32768, 2),
-        (64, 256, 65536, 1),
+        (1, 128, 512),
+        (8, 128, 4096),
+        (32, 128, 16384),
+        (8, 256, 8192),
+        (2, 64, 512),
+        (64, 256, 65536),
     ],
 )
-def test_scale_page_bytes(heads, head_dim, page_bytes, row_tokens):
+def test_scale_page_bytes(heads, head_dim, page_bytes):
     geometry = ScaleGeometry(head_num=heads, head_dim=head_dim, page_size=128)
     assert geometry.page_bytes == page_bytes
     assert geometry.bytes_per_token * 128 == page_bytes
     # One scale byte per 32 payload bytes.
     assert geometry.payload_bytes_per_token == 32 * geometry.bytes_per_token
-    assert geometry.host_bytes(page_num=10, layer_num=3) == 2 * 10 * 3 * page_bytes
-    # Rows are the fewest tokens whose scales fill a multiple of 512 B.
-    assert geometry.row_tokens == row_tokens
-    assert geometry.row_bytes == max(512, geometry.bytes_per_token)
-    assert geometry.row_bytes * geometry.rows_per_page == page_bytes
+    assert geometry.payload_page_bytes == 32 * page_bytes
 
 
-def test_host_page_layer_is_device_byte_order():
-    geometry = ScaleGeometry(head_num=8, head_dim=128, page_size=128)
-    layers = 3
-    device = torch.randint(0, 256, (layers, 5, geometry.page_bytes), dtype=torch.uint8)
-    # What the kernel writes: row j of layer l to host (page, j, l).
-    host = (
-        device.view(layers, 5, geometry.rows_per_page, geometry.row_bytes)
-        .permute(1, 2, 0, 3)
-        .contiguous()
+def test_host_page_byte_order():
+    """A page is K then V; each is, layer by layer, the payload run then the
+    scale run of that layer's device page."""
+    k = ScaleGeometry(head_num=8, head_dim=192, page_size=128)
+    v = ScaleGeometry(head_num=8, head_dim=128, page_size=128)
+    page = HostPage(k, v, layer_num=3)
+    k_layer = 128 * 8 * 192 + 128 * 8 * 6
+    v_layer = 128 * 8 * 128 + 128 * 8 * 4
+    assert page.k_part.span_bytes == 3 * k_layer
+    assert page.span_bytes == 3 * (k_layer + v_layer)
+    assert page.run_bytes() == (128 * 8 * 192, 128 * 8 * 6, 128 * 8 * 128, 128 * 8 * 4)
+    assert page.run_offsets(0) == (0, 128 * 8 * 192, 3 * k_layer, 3 * k_layer + 128 * 8 * 128)
+    assert page.run_offsets(2)[1] == 2 * k_layer + 128 * 8 * 192
+    assert page.bytes_per_token * 128 == page.span_bytes
+    assert page.storage_format_tag() == "mxfp8v2-l3h8d192v128p128"
+    # Every byte of the span belongs to exactly one run.
+    covered = sorted(
+        (off, off + size)
+        for layer in range(3)
+        for off, size in zip(page.run_offsets(layer), page.run_bytes(), strict=True)
     )
-    for layer in range(layers):
-        assert torch.equal(geometry.host_page_layer(host, layer), device[layer])
-        assert torch.equal(geometry.host_page_layer(host[2], layer), device[layer, 2])
+    assert covered[0][0] == 0 and covered[-1][1] == page.span_bytes
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
 
 
 @pytest.mark.parametrize(
@@ -116,21 +122,18 @@ def test_tp_must_divide_or_replicate_heads():
 
 @pytest.mark.parametrize("fmt", [FP4_MX_BLOCK16, NVFP4], ids=lambda f: f.name)
 @pytest.mark.parametrize(
-    "heads, page_size, page_bytes, row_tokens",
-    [(8, 128, 8192, 8), (1, 128, 1024, 64), (8, 64, 4096, 8), (2, 16, 256, 16)],
+    "heads, page_size, page_bytes",
+    [(8, 128, 8192), (1, 128, 1024), (8, 64, 4096), (2, 16, 256)],
 )
-def test_fp4_scale_page_bytes(fmt, heads, page_size, page_bytes, row_tokens):
+def test_fp4_scale_page_bytes(fmt, heads, page_size, page_bytes):
     """One scale byte per 16 elements and half a byte of payload per element:
     a page holds one scale byte per 16 of its elements."""
     geometry = ScaleGeometry(head_num=heads, head_dim=128, page_size=page_size, fmt=fmt)
     assert geometry.page_bytes == page_bytes
     assert geometry.payload_head_bytes == 64
     assert geometry.payload_bytes_per_token == 8 * geometry.bytes_per_token
-    assert geometry.row_tokens == row_tokens
-    assert geometry.row_bytes * geometry.rows_per_page == page_bytes
-    assert geometry.storage_format_tag(layer_num=3, version=1).startswith(
-        f"{fmt.name}v1-l3h{heads}d128p{page_size}"
-    )
+    page = HostPage(geometry, geometry, layer_num=3)
+    assert page.storage_format_tag() == f"{fmt.name}v2-l3h{heads}d128p{page_size}"
 
 
 @pytest.mark.parametrize("fmt", [FP4_MX_BLOCK16, NVFP4], ids=lambda f: f.name)
@@ -158,11 +161,11 @@ def test_host_plan_refuses_what_the_format_cannot_serve():
 
 
 @pytest.mark.parametrize("fmt", [FP4_MX_BLOCK16, NVFP4], ids=lambda f: f.name)
-def test_host_plan_refuses_fp4_rows_the_pool_refuses(fmt):
+def test_host_plan_serves_narrow_fp4_rows(fmt):
     """8 KV heads over TP 8 in FP4: a 64 B payload row per token, which the
-    host pool refuses (test_host_pool); MXFP8's 128 B row is served."""
+    host pool serves (page chunks are whole pages of rows)."""
     model = ModelGeometry(layers=2, kv_heads=8, head_dim=128)
-    with pytest.raises(SizingError, match="64 B .* lower --tp-size"):
-        host_plan(model, tp_size=8, device_tokens=1, fmt=fmt)
-    assert host_plan(model, tp_size=4, device_tokens=1, fmt=fmt).kv_heads_per_rank == 2
+    plan = host_plan(model, tp_size=8, device_tokens=1, fmt=fmt)
+    assert plan.kv_heads_per_rank == 1
+    assert plan.payload_bytes_per_token == 2 * 2 * 64
     assert host_plan(model, tp_size=8, device_tokens=1).payload_bytes_per_token == 512

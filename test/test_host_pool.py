@@ -36,9 +36,9 @@ def test_sizing_counts_scales(make_pools):
     assert host.get_size_per_token() == payload + scales
     assert host.size_per_token == payload + scales
     assert host.get_ksize_per_token() == (payload + scales) // 2
-    assert host.scale_host.numel() == host.page_num * 4 * 2 * 8 * 128 * 4
-    # Rows of 16 tokens (16 * 32 B), the 4 layers of a row side by side.
-    assert host.scale_host.shape == (2, host.page_num, 8, 4, 512)
+    # One span per page: K part then V part, each 4 layers of [payload | scales].
+    assert host.kv_buffer.shape == (host.page_num, 128 * (payload + scales))
+    assert host.host_page.k_part.layer_bytes == 128 * 8 * 128 + 8 * 4 * 128
 
 
 @pytest.mark.parametrize(
@@ -120,22 +120,35 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(pool))
 
 
-@pytest.mark.parametrize(
-    "layout, op",
-    [
-        ("page_first_direct", "transfer_kv_\\*_direct_\\*"),
-        ("page_head", "transfer_kv_per_layer_ph_lf"),
-    ],
-)
-def test_refuses_layout(cpu_kernels, no_allocation, mxfp8_pool, layout, op):
-    """Refused by name, with the reason: the payload path is sgl_kernel only."""
+def test_refuses_page_head(cpu_kernels, no_allocation, mxfp8_pool):
+    """Refused by name, with the reason: the owned page is layer-major."""
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match=f"host layout '{layout}' is not served: .*compiled ops .*{op}.*"
-        "Use --hicache-mem-layout page_first or layer_first",
+        match="--hicache-mem-layout page_head is not served: .*heads-major.*"
+        "Use --hicache-mem-layout page_first, page_first_direct, layer_first",
     ):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, layout, **_kwargs(mxfp8_pool))
+        MHATokenToKVPoolMXFP8Host(
+            info, 2.0, 0, 128, "page_head", **_kwargs(mxfp8_pool)
+        )
+
+
+@on_cpu
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_every_layout_is_the_owned_page(make_pools, layout, caplog):
+    """Each layout SGLang offers is served by the same page; one log line says
+    which layout was asked for and what the pool does."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger=host_pool_module.__name__):
+        _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2, layout=layout)
+    assert host.layout == layout
+    assert host.kv_buffer.shape == (host.page_num, host.host_page.span_bytes)
+    assert host.can_use_write_back_jit == (layout == "page_first")
+    lines = [r.getMessage() for r in caplog.records if r.name == host_pool_module.__name__]
+    assert len(lines) == 1
+    assert f"--hicache-mem-layout {layout}" in lines[0]
+    assert "one owned page" in lines[0]
 
 
 def test_refuses_decode_host_receive(
@@ -152,32 +165,17 @@ def test_refuses_decode_host_receive(
         )
 
 
-def test_refuses_layer_first_with_storage(cpu_kernels, no_allocation, mxfp8_pool):
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(
-        MXFP8HiCacheConfigError,
-        match="L3 storage of mxfp8 pages needs --hicache-mem-layout page_first",
-    ):
-        MHATokenToKVPoolMXFP8Host(
-            info,
-            2.0,
-            0,
-            128,
-            "layer_first",
-            allocator_type="file",
-            **_kwargs(mxfp8_pool),
-        )
-
-
-def test_refuses_configured_direct_io(
+def test_refuses_other_io_backend(
     cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
 ):
-    monkeypatch.setattr(host_pool_module, "configured_io_backend", lambda: "direct")
+    monkeypatch.setattr(
+        host_pool_module, "configured_io_backend", lambda: "kernel_ascend"
+    )
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match="io backend 'direct' is not served: .*compiled ops.*"
-        "use --hicache-io-backend kernel",
+        match="--hicache-io-backend kernel_ascend is not served .*"
+        "use --hicache-io-backend kernel or direct",
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -248,40 +246,29 @@ def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
         )
 
 
-def test_refuses_when_no_scale_kernel_builds(
+def test_refuses_when_no_kernel_builds(
     cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
 ):
     """Neither ours nor SGLang's all-layer kernel (the fallback) builds."""
     from sglang.kernels.ops.kvcache import hicache
 
-    from sglang_mxfp8_hicache import scale_kernel
+    from sglang_mxfp8_hicache import transfer
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("nvcc not found")
 
-    monkeypatch.setattr(scale_kernel, "scale_rows_module", no_compiler)
-    monkeypatch.setattr(hicache, "_jit_hicache_module", no_compiler)
+    monkeypatch.setattr(transfer, "page_chunks_module", no_compiler)
+    monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match=r"no kernel for scale chunks of 512 B builds \(ours: nvcc not found; "
-        r"SGLang's all-layer kernel: nvcc not found\); run without "
-        "--enable-hierarchical-cache",
+        match=r"no kernel moves these page chunks \(ours: nvcc not found; "
+        r"SGLang's: SGLang's JIT HiCache kernels move no slice of runs of "
+        r"\[1024, 32768\] B\); run without --enable-hierarchical-cache",
     ):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
         )
-
-
-def test_refuses_asymmetric_heads(cpu_kernels, no_allocation):
-    pool = build_device_pool(
-        head_num=2, head_dim=128, v_head_dim=64, layer_num=2, pages=2, device="cpu"
-    )
-    info = pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="K head_dim .* transfer_kv_per_layer_mla_pf_lf"
-    ):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 
 def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
@@ -302,27 +289,29 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
 
 
 def test_destroy_after_half_built(cpu_kernels, mxfp8_pool, monkeypatch):
-    """A failure after the scale mirror exists still releases it."""
+    """A failure after the host page is allocated still releases it."""
     seen = {}
     destroyed = []
     original_destroy = MHATokenToKVPoolMXFP8Host.destroy
 
-    def fail_payload(self):
-        seen["scale_host"] = self.scale_host
-        raise MemoryError("payload allocation failed")
+    def fail_transfer_setup(self, buffer_info, write_back_staging):
+        seen["kv_buffer"] = self.kv_buffer
+        raise MemoryError("pointer tables failed")
 
     def record_destroy(self):
-        destroyed.append(self.scale_host is not None)
+        destroyed.append(self.kv_buffer is not None)
         original_destroy(self)
 
-    monkeypatch.setattr(MHATokenToKVPoolHost, "init_kv_buffer", fail_payload)
+    monkeypatch.setattr(
+        MHATokenToKVPoolMXFP8Host, "_initialize_transfer_views", fail_transfer_setup
+    )
     monkeypatch.setattr(MHATokenToKVPoolMXFP8Host, "destroy", record_destroy)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(MemoryError):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
         )
-    assert seen["scale_host"] is not None
+    assert seen["kv_buffer"] is not None
     assert destroyed == [True]
 
 
@@ -331,7 +320,7 @@ def test_destroy_is_idempotent(make_pools):
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     host.destroy()
     host.destroy()
-    assert host.scale_host is None and host.kv_buffer is None
+    assert host.kv_buffer is None
 
 
 @pytest.mark.gpu
@@ -349,7 +338,7 @@ def test_dispatch_on_cuda_pool():
 
 
 @pytest.mark.gpu
-def test_destroy_unregisters_pinned_scales():
+def test_destroy_unregisters_pinned_pages():
     device_pool = build_device_pool(
         head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
     )
@@ -359,24 +348,26 @@ def test_destroy_unregisters_pinned_scales():
         host_to_device_ratio=1.0,
         pin_memory=True,
     )
-    scale_host = host.scale_host
-    assert getattr(scale_host, common._CUDA_HOST_REGISTERED_RANGES_ATTR)
+    pages = host.kv_buffer
+    assert getattr(pages, common._CUDA_HOST_REGISTERED_RANGES_ATTR)
     host.destroy()
-    assert getattr(scale_host, common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+    assert getattr(pages, common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
 
 
 @pytest.mark.gpu
-def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
+def test_half_built_pool_unregisters_pinned_pages(monkeypatch):
     device_pool = build_device_pool(
         head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
     )
     seen = {}
 
-    def fail_payload(self):
-        seen["scale_host"] = self.scale_host
-        raise MemoryError("payload allocation failed")
+    def fail_transfer_setup(self, buffer_info, write_back_staging):
+        seen["kv_buffer"] = self.kv_buffer
+        raise MemoryError("pointer tables failed")
 
-    monkeypatch.setattr(MHATokenToKVPoolHost, "init_kv_buffer", fail_payload)
+    monkeypatch.setattr(
+        MHATokenToKVPoolMXFP8Host, "_initialize_transfer_views", fail_transfer_setup
+    )
     with pytest.raises(MemoryError):
         build_host_pool(
             device_pool,
@@ -384,7 +375,7 @@ def test_half_built_pool_unregisters_pinned_scales(monkeypatch):
             host_to_device_ratio=1.0,
             pin_memory=True,
         )
-    assert getattr(seen["scale_host"], common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
+    assert getattr(seen["kv_buffer"], common._CUDA_HOST_REGISTERED_RANGES_ATTR) == []
     torch.cuda.synchronize()
 
 
@@ -433,13 +424,14 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
             ModelGeometry(layers=32, kv_heads=8, head_dim=128),
             tp_size=1,
             device_tokens=device_pool.size,
-            fmt=host.scale_geometry.fmt,
+            fmt=host.host_page.fmt,
             page_size=page_size,
         )
         assert host.size_per_token == plan.bytes_per_token
         assert host.size == plan.host_tokens
-        assert host.kv_buffer.shape[-1] == 64  # the packed payload of one head
-        assert host.storage_format_tag.startswith(f"{name}v1-l32h8d128p{page_size}")
+        # The packed payload of one head is 64 B of a page's K run per token.
+        assert host.host_page.k_part.payload_bytes == page_size * 8 * 64
+        assert host.storage_format_tag.startswith(f"{name}v2-l32h8d128p{page_size}")
     finally:
         host.destroy()
 
@@ -473,16 +465,18 @@ def test_refuses_fp4_without_token_scales(
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 
+@pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("name", ["fp4_mx_block16", "nvfp4"])
-def test_refuses_fp4_payload_rows_no_jit_kernel_moves(cpu_kernels, no_allocation, name):
-    """One KV head of 128 is a 64 B payload row: SGLang moves it only through
-    sgl_kernel's compiled ops (CUDA's JIT kernels move whole 128 B groups)."""
-    pool = _fp4_pool(name, heads=1)
+def test_serves_fp4_payload_rows_of_any_width(cpu_kernels, name, heads):
+    """One or three KV heads of 128 are 64 B and 192 B payload rows, which no
+    JIT kernel of SGLang moves as rows; a page chunk is whole pages of rows."""
+    pool = _fp4_pool(name, heads=heads)
     info = pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="rows of 64 B per token.*lower --tp-size"
-    ):
-        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
+    host = MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
+    try:
+        assert host.host_page.k_part.payload_bytes == 128 * heads * 64
+    finally:
+        host.destroy()
 
 
 def test_refuses_native_nvfp4_scales_wherever_a_stack_is_built(cpu_kernels):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CORE = ("plugin", "host_pool", "geometry", "scale_kernel", "sizing", "storage")
+CORE = ("plugin", "host_pool", "geometry", "page", "transfer", "sizing", "storage")
 
 
 def test_core_imports_no_tools():

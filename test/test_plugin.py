@@ -91,6 +91,7 @@ def test_register_is_idempotent(recorded_hooks):
         plugin.HOOK_TARGET,
         plugin.HOST_INPUTS_HOOK_TARGET,
         storage.FACTORY_HOOK_TARGET,
+        plugin.STAGING_HOOK_TARGET,
     ]
     assert plugin.is_registered()
 
@@ -148,3 +149,38 @@ def test_hook_claims_block_scaled_pools(kv_cache_dtype):
     assert plugin.claims(info).startswith(f"{kv_cache_dtype} device pool")
     chosen = plugin.select_host_pool_cls(lambda info: None, info)
     assert chosen is MHATokenToKVPoolMXFP8Host
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "fp4_mx_block16", "nvfp4"])
+def test_no_payload_staging_for_block_scaled_pools(kv_cache_dtype):
+    """SGLang's write-back staging (GPU memory sized for its page_first payload
+    kernel) is never prepared for a pool of ours; other pools get SGLang's."""
+    calls = []
+
+    def original(info, **kwargs):
+        calls.append(kwargs)
+        return "staging"
+
+    ours = _buffer_info(kv_cache_dtype=kv_cache_dtype)
+    assert plugin.skip_payload_staging(original, ours, layer_num=1, page_size=128) is None
+    assert calls == []
+    other = _buffer_info(payload_dtype=torch.bfloat16)
+    kwargs = dict(layer_num=1, page_size=128)
+    assert plugin.skip_payload_staging(original, other, **kwargs) == "staging"
+    assert calls == [kwargs]
+
+
+@pytest.mark.parametrize("order", ["plugins_first", "builder_first"])
+def test_staging_hook_reaches_the_builder_alias(order):
+    """The registry rebinds kv_cache_builder's alias of the staging function
+    (what prepare_hicache_staging calls), whichever is imported first."""
+    load = "from sglang.srt.plugins import load_plugins; load_plugins()\n"
+    builder = "from sglang.srt.mem_cache import kv_cache_builder as b\n"
+    code = (load + builder if order == "plugins_first" else builder + load) + (
+        "print(hasattr(b.prepare_mha_write_back_staging, '__wrapped__'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True"

@@ -7,9 +7,11 @@ transport. Pages move through ``tools.l3.StoragePageIO``: the backend built by
 SGLang's factory and the cache controller's own page functions. The plugin's
 storage hooks are applied for each test as ``HookRegistry`` applies them.
 
-Host pages hold random bytes; pages go to L3 from one permuted set of host
-pages and come back into another, and every host page outside the fetch must
-keep its bytes. Test ids name the backend and the planted fault.
+The stored page is the host page (``page.HostPage``): one span of the pool's
+``kv_buffer``, the K part (every layer's payload run then scale run) followed
+by the V part. Host pages hold random bytes; pages go to L3 from one permuted
+set of host pages and come back into another, and every host page outside the
+fetch must keep its bytes. Test ids name the backend and the planted fault.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
     MXFP8HiCacheConfigError,
 )
+from sglang_mxfp8_hicache.page import STORAGE_FORMAT_VERSION, PagePart
 from sglang_mxfp8_hicache.tools.l3 import StoragePageIO, page_hashes
 from sglang_mxfp8_hicache.tools.selfcheck import (
     PAGE_SIZE,
@@ -39,6 +42,7 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
 )
 
 on_cpu = pytest.mark.parametrize("device", ["cpu"], indirect=True)
+file_only = pytest.mark.parametrize("backend", ["file"], indirect=True)
 
 
 @pytest.fixture
@@ -85,50 +89,70 @@ def open_io(backend):
         io.close()
 
 
-def host_pages(host, pages: torch.Tensor) -> list[torch.Tensor]:
-    """Copies of ``pages``' payload and scale bytes, as [side, page, bytes] rows."""
-    return [r[:, pages].clone() for r in host_page_rows(host)]
+def host_pages(host, pages: torch.Tensor) -> torch.Tensor:
+    """Copies of ``pages``' host bytes, page first: our pool's (pages, span)
+    rows, or the (pages, K/V, bytes) rows of SGLang's page_first payload pool."""
+    return host_page_rows(host)[pages].clone()
 
 
 def fill_host(host, seed: int) -> None:
-    fill_random(host_page_rows(host), torch.Generator().manual_seed(seed))
+    fill_random([host_page_rows(host)], torch.Generator().manual_seed(seed))
+
+
+def page_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.view(torch.uint8).numpy().tobytes()
 
 
 class Stored:
     """``pages`` random host pages backed up to L3 under random tokens, then every
-    host byte overwritten: what ``fetch`` must bring back into other pages."""
+    host byte overwritten: what ``fetch`` must bring back into other pages.
 
-    def __init__(self, io: StoragePageIO, *, pages: int, seed: int = 0):
-        host = io.storage_host_pool
+    With ``reader``, another pool's backend fetches them into its own pages
+    (after the same overwrite), under the same keys.
+    """
+
+    def __init__(
+        self,
+        io: StoragePageIO,
+        *,
+        pages: int,
+        seed: int = 0,
+        reader: StoragePageIO | None = None,
+    ):
+        writer = io.storage_host_pool
+        self.io = reader or io
+        self.host = host = self.io.storage_host_pool
         gen = torch.Generator().manual_seed(seed)
-        fill_host(host, seed)
-        self.io, self.host = io, host
-        self.src = torch.randperm(host.page_num, generator=gen)[:pages]
+        fill_host(writer, seed)
+        self.src = torch.randperm(writer.page_num, generator=gen)[:pages]
         self.dst = torch.randperm(host.page_num, generator=gen)[:pages]
         self.tokens = torch.randint(
             0, 1 << 20, (pages * PAGE_SIZE,), generator=gen
         ).tolist()
         self.hashes = page_hashes(self.tokens, PAGE_SIZE)
-        self.saved = host_pages(host, self.src)
+        self.saved = host_pages(writer, self.src)
         assert io.backup(self.hashes, page_token_indices(self.src))
-        fill_host(host, seed + 1)
+        fill_host(writer, seed + 1)
+        if host is not writer:
+            fill_host(host, seed + 2)
         self.before = host_pages(host, torch.arange(host.page_num))
 
     def fetch(self) -> int:
         return self.io.fetch(self.hashes, page_token_indices(self.dst))
 
     def check(self, arrived: int) -> None:
-        """Host pages ``dst[:arrived]`` hold what was saved; every other host page,
-        those of the pages that did not arrive included, kept its bytes."""
+        """Host pages ``dst[:arrived]`` hold what was saved, every byte of their
+        span; every other host page, those of the pages that did not arrive
+        included, kept its bytes."""
         now = host_pages(self.host, torch.arange(self.host.page_num))
         kept = torch.ones(self.host.page_num, dtype=torch.bool)
         kept[self.dst[:arrived]] = False
-        for name, n, was, saved in zip(
-            ("payload", "scales"), now, self.before, self.saved, strict=True
-        ):
-            arrived_pages = n[:, self.dst[:arrived]]
-            assert torch.equal(arrived_pages, saved[:, :arrived]), f"{name} differs"
-            assert torch.equal(n[:, kept], was[:, kept]), f"{name} changed outside"
+        assert torch.equal(now[self.dst[:arrived]], self.saved[:arrived]), (
+            "an arrived page differs from the page saved"
+        )
+        assert torch.equal(now[kept], self.before[kept]), (
+            "a host page outside the fetch changed"
+        )
 
 
 # -- the page format, without a backend ------------------------------------------
@@ -136,42 +160,97 @@ class Stored:
 
 @on_cpu
 def test_flat_page_is_the_zero_copy_parts_concatenated(make_pools):
-    """get_data_page is, byte for byte, what get_page_buffer_meta points at:
-    [K payload | K scales] then [V payload | V scales], each inside a buffer of
-    get_hybrid_pool_buffer (those a zero-copy backend registers)."""
+    """get_data_page is a view of the page's span in kv_buffer (no copy), and,
+    byte for byte, what get_page_buffer_meta points at: the K part then the V
+    part, flat ints as SGLang's own pools give them, each inside the one buffer
+    of get_hybrid_pool_buffer (what a zero-copy backend registers)."""
     _, host = make_pools(heads=8, head_dim=128, layers=3, pages=6)
     fill_host(host, 3)
+    page = host.host_page
+    # Per layer: 128 tokens x 8 heads x 128 fp8, and 8 heads x 4 scales per token.
+    assert (
+        page.k_part
+        == page.v_part
+        == PagePart(PAGE_SIZE * 8 * 128, 8 * 4 * PAGE_SIZE, 3)
+    )
+    k_span = page.k_part.span_bytes
+    assert page.span_bytes == 2 * k_span
+    assert tuple(host.kv_buffer.shape) == (host.page_num, page.span_bytes)
+    [buffer] = host.get_hybrid_pool_buffer()
+    assert buffer is host.kv_buffer
+    lo = buffer.data_ptr()
+    hi = lo + buffer.numel() * buffer.element_size()
+
     pages = torch.tensor([4, 0, 2])
     ptrs, sizes = host.get_page_buffer_meta(page_token_indices(pages))
-    assert len(ptrs) == 2 * len(pages)
-    buffers = [
-        (b.data_ptr(), b.data_ptr() + b.numel() * b.element_size())
-        for b in host.get_hybrid_pool_buffer()
-    ]
-    for n, page in enumerate(pages.tolist()):
-        parts = [
-            ctypes.string_at(ptr, size)
-            for pair, pair_sizes in zip(
-                ptrs[2 * n : 2 * n + 2], sizes[2 * n : 2 * n + 2], strict=True
-            )
-            for ptr, size in zip(pair, pair_sizes, strict=True)
-        ]
-        assert b"".join(parts) == host.get_data_page(page * PAGE_SIZE).numpy().tobytes()
-        for pair, pair_sizes in zip(
-            ptrs[2 * n : 2 * n + 2], sizes[2 * n : 2 * n + 2], strict=True
-        ):
-            for ptr, size in zip(pair, pair_sizes, strict=True):
-                assert any(lo <= ptr and ptr + size <= hi for lo, hi in buffers)
-    payload, scales = host.storage_part_bytes
-    assert (payload, scales) == (PAGE_SIZE * 3 * 8 * 128, 3 * 8 * 4 * PAGE_SIZE)
-    assert host.get_page_buffer_element_size() == payload + scales
-    assert host.get_dummy_flat_data_page().numel() == 2 * (payload + scales)
+    assert all(type(x) is int for x in (*ptrs, *sizes))
+    assert sizes == [k_span, k_span] * len(pages)
+    for n, p in enumerate(pages.tolist()):
+        k_ptr, v_ptr = ptrs[2 * n : 2 * n + 2]
+        assert (k_ptr, v_ptr) == (
+            lo + p * page.span_bytes,
+            lo + p * page.span_bytes + k_span,
+        )
+        for ptr, size in zip((k_ptr, v_ptr), sizes[2 * n : 2 * n + 2], strict=True):
+            assert lo <= ptr and ptr + size <= hi
+        flat = host.get_data_page(p * PAGE_SIZE)
+        parts = ctypes.string_at(k_ptr, k_span) + ctypes.string_at(v_ptr, k_span)
+        assert parts == page_bytes(flat) == page_bytes(host_page_rows(host)[p])
+        # A view of kv_buffer's page: a byte written through it is the pool's.
+        assert flat.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert flat.data_ptr() == k_ptr
+        raw = flat.view(torch.uint8)
+        raw[-1] = ~raw[-1]
+        assert ctypes.string_at(v_ptr + k_span - 1, 1) == page_bytes(raw[-1:])
+    assert host.get_page_buffer_element_size() == k_span
+    dummy = host.get_dummy_flat_data_page()
+    assert (dummy.dtype, dummy.numel()) == (host.dtype, page.span_bytes)
+    assert host.describe_storage_page() == page.describe()
+
+
+@on_cpu
+@pytest.mark.parametrize("v_head_dim", [None, 64], ids=["symmetric", "asymmetric"])
+def test_unflat_page_is_the_k_and_v_parts(make_pools, v_head_dim):
+    """get_data_page(flat=False) is the span's K part and V part, views of the
+    span: two rows of one (2, S) view when they are the same size, a tuple of
+    two views of different sizes for asymmetric MXFP8 heads. They are the
+    parts get_page_buffer_meta points at."""
+    _, host = make_pools(
+        heads=2, head_dim=128, layers=2, pages=4, v_head_dim=v_head_dim
+    )
+    fill_host(host, 4)
+    k_span, v_span = host.host_page.k_part.span_bytes, host.host_page.v_part.span_bytes
+    p = 3
+    flat = host.get_data_page(p * PAGE_SIZE)
+    parts = host.get_data_page(p * PAGE_SIZE, flat=False)
+    if v_head_dim is None:
+        assert k_span == v_span
+        assert isinstance(parts, torch.Tensor)
+        assert tuple(parts.shape) == (2, k_span)
+        k, v = parts
+    else:
+        # Per layer: V payload 128 x 2 x 64 fp8, V scales 2 x 2 per token.
+        assert host.host_page.v_part == PagePart(
+            PAGE_SIZE * 2 * 64, 2 * 2 * PAGE_SIZE, 2
+        )
+        assert k_span > v_span
+        assert isinstance(parts, tuple)
+        k, v = parts
+        assert (k.numel(), v.numel()) == (k_span, v_span)
+    assert (k.data_ptr(), v.data_ptr()) == (flat.data_ptr(), flat.data_ptr() + k_span)
+    assert page_bytes(k) + page_bytes(v) == page_bytes(flat)
+    ptrs, sizes = host.get_page_buffer_meta(page_token_indices(torch.tensor([p])))
+    assert (ptrs, sizes) == ([k.data_ptr(), v.data_ptr()], [k_span, v_span])
+    # Views: a byte written through the V part is the pool's.
+    v.view(torch.uint8)[0] = ~v.view(torch.uint8)[0]
+    assert page_bytes(host_page_rows(host)[p, k_span : k_span + 1]) == page_bytes(v[:1])
 
 
 @on_cpu
 def test_element_size_through_a_host_pool_group(make_pools):
     """SGLang's HostPoolGroup (what the assemblers build) asks its anchor for the
-    element size; the base class would fail on the nested sizes with int()."""
+    element size: SGLang's default, the first size of get_page_buffer_meta, the
+    K part's span. A page cannot be split by heads."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 
@@ -187,39 +266,65 @@ def test_element_size_through_a_host_pool_group(make_pools):
             )
         ]
     )
-    assert group.get_page_buffer_element_size() == sum(host.storage_part_bytes)
+    assert group.get_page_buffer_element_size() == host.host_page.k_part.span_bytes
     with pytest.raises(NotImplementedError, match="cannot be split by heads"):
         group.get_page_buffer_element_size(2)
 
 
 @on_cpu
 def test_flat_page_round_trip_and_wrong_size(make_pools):
+    """A flat page set into another page is that page's span, and no other page
+    changes; a page of another size is refused before a byte is written."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=4)
     fill_host(host, 5)
-    page = host.get_data_page(2 * PAGE_SIZE)
     before = host_pages(host, torch.arange(host.page_num))
+    page = host.get_dummy_flat_data_page()
+    page.copy_(host.get_data_page(2 * PAGE_SIZE))
     host.set_from_flat_data_page(0, page)
     after = host_pages(host, torch.arange(host.page_num))
-    for was, now in zip(before, after, strict=True):
-        assert torch.equal(now[:, 0], was[:, 2])
-        assert torch.equal(now[:, 1:], was[:, 1:])
-    with pytest.raises(ValueError, match="flat page of"):
-        host.set_from_flat_data_page(0, page[:-1])
+    assert torch.equal(after[0], before[2])
+    assert torch.equal(after[1:], before[1:])
+    for wrong in (page[:-1], torch.cat([page, page[:1]])):
+        with pytest.raises(ValueError, match="flat page of"):
+            host.set_from_flat_data_page(PAGE_SIZE, wrong)
+    assert torch.equal(host_pages(host, torch.arange(host.page_num)), after)
     with pytest.raises(ValueError, match="not a page start"):
         host.get_data_page(5)
+    with pytest.raises(ValueError, match="not a page start"):
+        host.set_from_flat_data_page(5, page)
     with pytest.raises(ValueError, match="L3 page index 5 is not a page start"):
         host.get_page_buffer_meta(torch.arange(5, 5 + 2 * PAGE_SIZE))
 
 
 @on_cpu
 def test_format_tag_names_format_version_and_geometry(make_pools):
+    """Every number that fixes a page's bytes is in the key tag: layers, heads,
+    head dims (V's when it differs), page size, and the page format version."""
+
+    def tag(heads, head_dim, v_head_dim, layers):
+        _, host = make_pools(
+            heads=heads,
+            head_dim=head_dim,
+            v_head_dim=v_head_dim,
+            layers=layers,
+            pages=2,
+        )
+        return host.storage_format_tag
+
     tags = {
-        make_pools(heads=h, head_dim=d, layers=layers, pages=2)[1].storage_format_tag
-        for h, d, layers in ((2, 128, 2), (1, 256, 2), (2, 128, 3), (4, 128, 2))
+        tag(*geometry)
+        for geometry in (
+            (2, 128, None, 2),
+            (1, 256, None, 2),
+            (2, 128, None, 3),
+            (4, 128, None, 2),
+            (2, 128, 64, 2),
+        )
     }
-    assert len(tags) == 4
-    # 2 heads x 128: 8 scale bytes per token, chunks of 64 tokens (512 B).
-    assert "mxfp8v1-l2h2d128p128r64" in tags
+    assert len(tags) == 5
+    assert STORAGE_FORMAT_VERSION == 2
+    assert "mxfp8v2-l2h2d128p128" in tags
+    assert "mxfp8v2-l2h2d128v64p128" in tags
 
 
 # -- round trips and faults through the real backends ----------------------------
@@ -241,9 +346,57 @@ def test_round_trip_fp4(device, make_pools, open_io, kv_cache_dtype):
     _, host = make_pools(
         heads=8, head_dim=128, layers=3, pages=5, kv_cache_dtype=kv_cache_dtype
     )
-    assert host.storage_format_tag.startswith(f"{kv_cache_dtype}v1-l3h8d128p128")
-    assert host.storage_part_bytes == (3 * 128 * 8 * 64, 3 * 128 * 8 * 8)
+    assert host.storage_format_tag.startswith(f"{kv_cache_dtype}v2-l3h8d128p128")
+    # Per layer: 128 tokens x 8 heads x 64 bytes of FP4, and 8 scale bytes per head.
+    assert (
+        host.host_page.k_part
+        == host.host_page.v_part
+        == PagePart(128 * 8 * 64, 128 * 8 * 8, 3)
+    )
+    assert host.kv_buffer.dtype == torch.uint8
     stored = Stored(open_io(host), pages=5, seed=7)
+    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert stored.fetch() == 5
+    stored.check(5)
+
+
+def test_round_trip_asymmetric_heads(device, make_pools, open_io):
+    """K head_dim 128, V head_dim 64 (MXFP8): the K and V parts differ in size,
+    and the page comes back whole, both parts, under its own tag."""
+    _, host = make_pools(heads=2, head_dim=128, v_head_dim=64, layers=3, pages=5)
+    assert host.storage_format_tag == "mxfp8v2-l3h2d128v64p128"
+    k, v = host.host_page.k_part, host.host_page.v_part
+    assert k.span_bytes == 2 * v.span_bytes
+    stored = Stored(open_io(host), pages=5, seed=13)
+    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert stored.fetch() == 5
+    stored.check(5)
+
+
+@on_cpu
+@file_only
+@pytest.mark.parametrize(
+    "writer, reader",
+    [
+        ("layer_first", "layer_first"),
+        ("page_first", "layer_first"),
+        ("layer_first", "page_first_direct"),
+    ],
+    ids=lambda layout: layout,
+)
+def test_layer_first_pool_round_trips_through_file(make_pools, open_io, writer, reader):
+    """The factory hook gives a layer_first pool its backend (the host page is
+    the same span in every layout), and its pages come back byte for byte;
+    under one model name, pages one layout stored load into a pool of another."""
+    model = f"layouts-{uuid.uuid4().hex[:8]}"
+    pools = {
+        layout: make_pools(heads=4, head_dim=128, layers=2, pages=5, layout=layout)[1]
+        for layout in dict.fromkeys((writer, reader))
+    }
+    assert pools[writer].storage_format_tag == pools[reader].storage_format_tag
+    ios = {layout: open_io(pool, model) for layout, pool in pools.items()}
+    assert ios[reader].storage_backend.mem_pool_host is pools[reader]
+    stored = Stored(ios[writer], pages=5, seed=17, reader=ios[reader])
     assert stored.io.hit_query(stored.tokens) == stored.hashes
     assert stored.fetch() == 5
     stored.check(5)
@@ -257,7 +410,8 @@ def test_round_trip_fp4(device, make_pools, open_io, kv_cache_dtype):
 )
 def test_pages_of_another_recipe_never_load(make_pools, open_io, theirs, ours):
     """Same model, same tokens: nvfp4 and fp4_mx_block16 pages of one geometry
-    have the same bytes per page, and only the key tag tells them apart."""
+    have the same bytes per page, and only the key tag tells them apart. Our
+    host pages keep their bytes."""
     _, their_host = make_pools(
         heads=2, head_dim=128, layers=2, pages=4, kv_cache_dtype=theirs
     )
@@ -265,7 +419,7 @@ def test_pages_of_another_recipe_never_load(make_pools, open_io, theirs, ours):
         heads=2, head_dim=128, layers=2, pages=4, kv_cache_dtype=ours
     )
     if ours != "mxfp8":
-        assert their_host.storage_part_bytes == our_host.storage_part_bytes
+        assert their_host.host_page.span_bytes == our_host.host_page.span_bytes
     # One model name for both pools, and for this test only: the Mooncake
     # store outlives the test.
     model = f"shared-{uuid.uuid4().hex[:8]}"
@@ -273,14 +427,18 @@ def test_pages_of_another_recipe_never_load(make_pools, open_io, theirs, ours):
     assert stored.io.hit_query(stored.tokens) == stored.hashes
     mine = open_io(our_host, model)
     assert mine.hit_query(stored.tokens) == []
+    fill_host(our_host, 8)
+    before = host_pages(our_host, torch.arange(our_host.page_num))
     assert mine.fetch(stored.hashes, page_token_indices(torch.arange(3))) == 0
+    assert torch.equal(host_pages(our_host, torch.arange(our_host.page_num)), before)
 
 
 def test_mooncake_pointers_lie_in_registered_buffers(
     make_pools, storage_hooks, mooncake, monkeypatch
 ):
     """Mooncake's TCP transport moves unregistered memory without a word, and RDMA
-    would fail: every part a page names must lie in a buffer the pool registered."""
+    would fail: the pool registers its one allocation, kv_buffer, and every part
+    a page names lies in it."""
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
         MooncakeBaseStore,
     )
@@ -305,12 +463,15 @@ def test_mooncake_pointers_lie_in_registered_buffers(
         model_name=f"m-{uuid.uuid4().hex[:8]}",
         extra_config=mooncake.extra_config(),
     )
-    assert len(registered) == 4
+    buffer = host.kv_buffer
+    assert registered == [
+        (buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size())
+    ]
     stored = Stored(io, pages=6)
     ptrs, sizes = host.get_page_buffer_meta(page_token_indices(stored.dst))
-    for pair, pair_sizes in zip(ptrs, sizes, strict=True):
-        for ptr, size in zip(pair, pair_sizes, strict=True):
-            assert any(lo <= ptr and ptr + size <= hi for lo, hi in registered)
+    assert len(ptrs) == len(sizes) == 2 * 6
+    for ptr, size in zip(ptrs, sizes, strict=True):
+        assert any(lo <= ptr and ptr + size <= hi for lo, hi in registered)
     assert stored.fetch() == 6
     stored.check(6)
 
@@ -440,10 +601,7 @@ def test_pages_of_another_format_never_load(make_pools, open_io, bf16_host, othe
     fill_host(ours, 9)
     before = host_pages(ours, torch.arange(ours.page_num))
     assert mine.fetch(stored.hashes, page_token_indices(torch.arange(3))) == 0
-    for was, now in zip(
-        before, host_pages(ours, torch.arange(ours.page_num)), strict=True
-    ):
-        assert torch.equal(was, now)
+    assert torch.equal(host_pages(ours, torch.arange(ours.page_num)), before)
 
 
 # -- which backends may see an MXFP8 pool ------------------------------------------
@@ -464,18 +622,6 @@ def test_factory_refuses_backend_by_name(make_pools, storage_hooks, name):
         StoragePageIO.open(name, host)
 
 
-@on_cpu
-def test_factory_refuses_layer_first_pool(make_pools, storage_hooks, tmp_path):
-    """Runtime attach to a layer_first pool: its payload pages are not L3 pages."""
-    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2, layout="layer_first")
-    with pytest.raises(
-        MXFP8HiCacheConfigError, match="needs --hicache-mem-layout page_first"
-    ):
-        StoragePageIO.open(
-            "file", host, extra_config={"file_storage_path": str(tmp_path)}
-        )
-
-
 def test_factory_leaves_other_pools_alone(bf16_host, storage_hooks, tmp_path):
     io = StoragePageIO.open(
         "file", bf16_host, extra_config={"file_storage_path": str(tmp_path)}
@@ -491,7 +637,8 @@ def test_mooncake_startup_allocator_round_trip(
     device, cpu_kernels, storage_hooks, mooncake
 ):
     """With --hicache-storage-backend mooncake at startup, SGLang builds the host
-    pool with Mooncake's host allocator: the scale mirror comes from it too."""
+    pool with Mooncake's host allocator: the pool's one allocation, every page
+    span, payload and scales, comes from it."""
     from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
         MooncakeHostTensorAllocator,
     )
@@ -514,6 +661,8 @@ def test_mooncake_startup_allocator_round_trip(
     )
     try:
         assert isinstance(host.allocator, MooncakeHostTensorAllocator)
+        assert host.allocator.ptr == host.kv_buffer.data_ptr()
+        assert tuple(host.kv_buffer.shape) == (host.page_num, host.host_page.span_bytes)
         io = StoragePageIO.open(
             "mooncake",
             host,

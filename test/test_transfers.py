@@ -434,15 +434,12 @@ def test_load_issues_layers_no_later_than_their_call(make_pools):
             assert not any(arrived(later) for later in range(1, 6))
 
 
-MOVERS = {
-    "ours": lambda host, tables: transfer.PageChunkKernel(tables),
-    "fallback": lambda host, tables: transfer.SGLangChunkKernels(tables),
-}
+MOVERS = {"ours": transfer.PageChunkKernel, "fallback": transfer.SGLangChunkKernels}
 
 
 def _use_mover(host, name: str):
     """``host`` with the mover ``name``, its prepared tables rebuilt."""
-    host._build_mover = lambda tables: MOVERS[name](host, tables)
+    host._mover_factory = MOVERS[name]
     host._initialize_transfer_views(None, None)
     return host
 

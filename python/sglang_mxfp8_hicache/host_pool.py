@@ -176,6 +176,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             pool_label=pool_label,
         )
         fmt = self.host_page.fmt
+        try:
+            self._mover_factory = self._choose_mover(self.host_page, pool_label)
+        except transfer.TransferUnavailable as exc:
+            raise MXFP8HiCacheConfigError(
+                f"{pool_label}: {fmt.name} HiCache: {exc}; run without "
+                "--enable-hierarchical-cache."
+            ) from exc
         self._scaled_infos = (buffer_info, *draft_buffer_infos)
         self.kv_buffer = None
         try:
@@ -416,13 +423,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             run_bytes=page.run_bytes(),
             device=torch.device(self._transfer_device),
         )
-        try:
-            self._mover = self._build_mover(tables)
-        except transfer.TransferUnavailable as exc:
-            raise MXFP8HiCacheConfigError(
-                f"{self.pool_label}: {page.fmt.name} HiCache: {exc}; run without "
-                "--enable-hierarchical-cache."
-            ) from exc
+        self._mover = self._mover_factory(tables)
         # Every layer for a backup; for a load, each group of the target
         # model's layers, and each packed draft layer alone, keyed by its layer
         # id: its load arrives as is_draft, after the target layer of its depth.
@@ -438,11 +439,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         }
         self._load_progress = _LoadProgress(None, None)
 
-    def _build_mover(
-        self, tables: transfer.PageChunkTables
-    ) -> transfer.PageChunkMover:
-        """Our kernel if it builds, else SGLang's (``transfer.build_mover``)."""
-        return transfer.build_mover(tables, pool_label=self.pool_label)
+    def _choose_mover(self, page: HostPage, pool_label: str) -> transfer.MoverFactory:
+        """Our kernel if it builds, else SGLang's (``transfer.choose_mover``);
+        called before the pool allocates."""
+        return transfer.choose_mover(page, pool_label=pool_label)
 
     def _load_layer_groups(self) -> list[range]:
         return doubling_layer_groups(self.target_layer_num)

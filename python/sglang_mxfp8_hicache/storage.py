@@ -199,20 +199,21 @@ def _mooncake_batch_get_checked(
     query): Mooncake would write the K part of a page whose V part is missing."""
     if not keys:
         return read(keys, host_indices, extra_info)
+    # One object per page part (K part, V part), one size each.
     object_keys, _, part_sizes = store._batch_preprocess(
         store._tag_keys(keys), host_indices
     )
     found = _mooncake_object_sizes(store.store, object_keys)
     per_page = len(object_keys) // len(keys)
     wrong: list[WrongPage] = []
-    for n, (key, sizes) in enumerate(zip(object_keys, part_sizes, strict=True)):
+    for n, (key, expected) in enumerate(zip(object_keys, part_sizes, strict=True)):
         page, size = n // per_page, found.get(key)
         if (
             size is not None
-            and size != sum(sizes)
+            and size != expected
             and (not wrong or wrong[-1][0] != page)
         ):
-            wrong.append((page, key, size, sum(sizes)))
+            wrong.append((page, key, size, expected))
     good = _leading_good_pages(wrong, len(keys))
     page_size = len(host_indices) // len(keys)
     results = (

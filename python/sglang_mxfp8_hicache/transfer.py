@@ -28,7 +28,7 @@ pages, and index tensors on the CPU whose pages are not aligned runs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -161,9 +161,9 @@ class PageChunkKernel:
         check_gpu_indices: bool = True,
     ) -> None:
         self._tables = tables
-        offsets = [base for layer in tables.bases for base in layer]
+        addresses = [base for layer in tables.bases for base in layer]
         self._module = page_chunks_module(
-            vector_bytes([*tables.run_bytes, tables.host_stride, *offsets])
+            vector_bytes([*tables.run_bytes, tables.host_stride, *addresses])
         )
         self._all = torch.tensor(tables.bases, dtype=torch.uint64, device=tables.device)
         self._max_blocks = max_blocks
@@ -233,17 +233,23 @@ class SGLangChunkKernels:
 
     def __init__(self, tables: PageChunkTables) -> None:
         self._tables = tables
+        self._elements = self.check(tables.run_bytes)
         # Runs with the same device page size share a launch (K and V of
         # symmetric heads).
         self._groups: dict[int, list[int]] = {}
         for part, size in enumerate(tables.run_bytes):
             self._groups.setdefault(size, []).append(part)
-        self._elements = {size: fallback_element(size) for size in self._groups}
-        missing = [size for size, element in self._elements.items() if element is None]
+
+    @staticmethod
+    def check(run_bytes: Sequence[int]) -> dict[int, int]:
+        """The slice SGLang's kernels move for each run size; raises if none."""
+        elements = {size: fallback_element(size) for size in run_bytes}
+        missing = sorted(size for size, element in elements.items() if element is None)
         if missing:
             raise TransferUnavailable(
                 f"SGLang's JIT HiCache kernels move no slice of runs of {missing} B"
             )
+        return elements
 
     def prepare(self, layers: range) -> list[_SGLangLaunch]:
         tables = self._tables
@@ -315,30 +321,36 @@ class SGLangChunkKernels:
         """SGLang's kernel checks no index values; nothing is ever refused."""
 
 
-def build_mover(
-    tables: PageChunkTables, *, pool_label: str, prefer_ours: bool = True
-) -> PageChunkMover:
-    """Ours if it builds, else SGLang's JIT kernel, with one warning."""
-    ours_error = None
-    if prefer_ours:
-        try:
-            return PageChunkKernel(tables)
-        except Exception as exc:
-            ours_error = exc
+MoverFactory = Callable[[PageChunkTables], PageChunkMover]
+
+
+def page_vector_bytes(page: HostPage) -> int:
+    """The widest vector our kernel can use for ``page``: it divides every run,
+    the host span and every run's offset in it (allocations are aligned wider)."""
+    offsets = [off for layer in range(page.layer_num) for off in page.run_offsets(layer)]
+    return vector_bytes([*page.run_bytes(), page.span_bytes, *offsets])
+
+
+def choose_mover(page: HostPage, *, pool_label: str) -> MoverFactory:
+    """Ours if it builds, else SGLang's JIT kernel (one warning), decided
+    before the pool allocates: what it returns binds a pool's addresses."""
     try:
-        mover = SGLangChunkKernels(tables)
+        page_chunks_module(page_vector_bytes(page))
+        return PageChunkKernel
     except Exception as exc:
-        reason = f"ours: {ours_error}; " if ours_error else ""
+        ours_error = exc
+    try:
+        SGLangChunkKernels.check(page.run_bytes())
+    except Exception as exc:
         raise TransferUnavailable(
-            f"no kernel moves these page chunks ({reason}SGLang's: {exc})"
+            f"no kernel moves these page chunks (ours: {ours_error}; SGLang's: {exc})"
         ) from exc
-    if ours_error is not None:
-        logger.warning(
-            "%s: the page-chunk kernel (%s) failed to build: %s. Pages move "
-            "through %s instead: the same bytes, slower on small transfers.",
-            pool_label,
-            SOURCE.name,
-            ours_error,
-            mover.name,
-        )
-    return mover
+    logger.warning(
+        "%s: the page-chunk kernel (%s) failed to build: %s. Pages move through "
+        "%s instead: the same bytes, slower on small transfers.",
+        pool_label,
+        SOURCE.name,
+        ours_error,
+        SGLangChunkKernels.name,
+    )
+    return SGLangChunkKernels

@@ -7,6 +7,8 @@ what each choice is worth.
 
 from __future__ import annotations
 
+import functools
+
 from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
@@ -14,22 +16,22 @@ from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 class FallbackKernelHost(MHATokenToKVPoolMXFP8Host):
     """SGLang's JIT kernel over page numbers: the path when ours does not build."""
 
-    def _build_mover(self, tables):
-        return transfer.SGLangChunkKernels(tables)
+    def _choose_mover(self, page, pool_label):
+        return transfer.SGLangChunkKernels
 
 
 class UncheckedIndicesHost(MHATokenToKVPoolMXFP8Host):
     """Our kernel without its checks of GPU-resident token indices."""
 
-    def _build_mover(self, tables):
-        return transfer.PageChunkKernel(tables, check_gpu_indices=False)
+    def _choose_mover(self, page, pool_label):
+        return functools.partial(transfer.PageChunkKernel, check_gpu_indices=False)
 
 
 class TwoBlocksHost(MHATokenToKVPoolMXFP8Host):
     """Our kernel on two thread blocks, SGLang's quota for its HiCache kernels."""
 
-    def _build_mover(self, tables):
-        return transfer.PageChunkKernel(tables, max_blocks=2)
+    def _choose_mover(self, page, pool_label):
+        return functools.partial(transfer.PageChunkKernel, max_blocks=2)
 
 
 class LoadAtLayerZeroHost(MHATokenToKVPoolMXFP8Host):
