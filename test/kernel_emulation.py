@@ -25,9 +25,12 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   ``element_size`` at most 32 KiB (the TMA kernel's row limit).
 - ``page_chunks_module(vector)`` (ours, ``csrc/page_chunks.cuh``): ``tables`` is
   a packed [layers, 8] uint64 table (device bases of K payload, K scales, V
-  payload, V scales, then their host bases). For every page and layer, each
-  run's bytes move between device page number times the run's size and host
-  page number times ``host_stride``. Without a GPU every index tensor is
+  payload, V scales, then their host bases) and ``parts`` a CPU [4, 6] int64
+  table of each part's chunk (bytes, row bytes, device page / head / row
+  strides, host head stride). For every page, layer, part and head, the
+  chunk's device rows (device page number times the page stride, plus head
+  and row strides) move to consecutive host bytes at host page number times
+  ``host_stride`` plus the host head stride, or back. Without a GPU every index tensor is
   CPU-resident: int64 only, and a page that is not one aligned run refuses the
   whole transfer before anything moves.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
@@ -262,11 +265,9 @@ class EmulatedKernels:
                 refused,
                 host_indices,
                 device_indices,
+                parts,
+                heads,
                 host_stride,
-                k_payload_bytes,
-                k_scale_bytes,
-                v_payload_bytes,
-                v_scale_bytes,
                 page_size,
                 to_host,
                 max_blocks,
@@ -274,37 +275,65 @@ class EmulatedKernels:
                 what = "block-scaled HiCache " + ("backup" if to_host else "load")
                 assert tables.dtype == torch.uint64 and tables.is_contiguous()
                 assert tables.dim() == 2 and tables.shape[1] == 2 * 4
+                assert parts.dtype == torch.int64 and parts.device.type == "cpu"
+                assert tuple(parts.shape) == (4, 6)
                 for indices in (host_indices, device_indices):
                     assert indices.dtype in (torch.int32, torch.int64)
                     assert indices.dim() == 1 and indices.is_contiguous()
                 if host_indices.numel() != device_indices.numel():
                     raise RuntimeError(f"{what}: index lengths differ")
                 assert refused.dtype == torch.int64 and refused.numel() in (0, 2)
-                if page_size <= 0 or max_blocks <= 0:
-                    raise RuntimeError(f"{what}: page_size and max_blocks must be positive")
+                if page_size <= 0 or max_blocks <= 0 or heads <= 0:
+                    raise RuntimeError(
+                        f"{what}: page_size, heads and max_blocks must be positive"
+                    )
                 if device_indices.numel() % page_size:
                     raise RuntimeError(
                         f"{what}: {device_indices.numel()} token indices are not "
                         f"whole pages of {page_size}"
                     )
-                sizes = (k_payload_bytes, k_scale_bytes, v_payload_bytes, v_scale_bytes)
-                for part, size in enumerate(sizes):
-                    if size <= 0 or size % vector:
+                shapes = parts.tolist()
+                for part, (size, row_bytes, *_) in enumerate(shapes):
+                    if size % row_bytes or row_bytes % vector:
                         raise RuntimeError(
-                            f"{what}: part {part} of {size} B is not whole vectors"
+                            f"{what}: part {part} is not whole rows of whole vectors"
                         )
                 host_pages = pages_of(host_indices, page_size, what)
                 device_pages = pages_of(device_indices, page_size, what)
                 for _ in range(0, len(device_pages), transfer_launch_pages):
                     kernels.calls.append(("page_chunks", vector))
                 for bases in tables.tolist():
-                    for part, size in enumerate(sizes):
-                        device = ([bases[part]], device_pages * size)
-                        host = ([bases[4 + part]], host_pages * host_stride)
-                        (src, src_off), (dst, dst_off) = (
-                            (device, host) if to_host else (host, device)
-                        )
-                        kernels._copy_rows(src, dst, src_off, dst_off, size)
+                    for part, shape in enumerate(shapes):
+                        (
+                            size,
+                            row_bytes,
+                            page_stride,
+                            head_stride,
+                            row_stride,
+                            host_head,
+                        ) = shape
+                        rows = torch.arange(size // row_bytes)
+                        for head in range(heads):
+                            device = (
+                                [bases[part]],
+                                (
+                                    device_pages[:, None] * page_stride
+                                    + head * head_stride
+                                    + rows * row_stride
+                                ).reshape(-1),
+                            )
+                            host = (
+                                [bases[4 + part]],
+                                (
+                                    host_pages[:, None] * host_stride
+                                    + head * host_head
+                                    + rows * row_bytes
+                                ).reshape(-1),
+                            )
+                            (src, src_off), (dst, dst_off) = (
+                                (device, host) if to_host else (host, device)
+                            )
+                            kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
 
         return Module()
 
@@ -626,6 +655,8 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(
         host_pool.MHATokenToKVPoolMXFP8Host,
         "init_kv_buffer",
-        registering(host_pool.MHATokenToKVPoolMXFP8Host.init_kv_buffer, lambda _, kv: [kv]),
+        registering(
+            host_pool.MHATokenToKVPoolMXFP8Host.init_kv_buffer, lambda _, kv: [kv]
+        ),
     )
     return kernels

@@ -314,7 +314,7 @@ BAD_INPUTS = [
         "bench_unknown_ablation",
         ["bench", "--ablations", "blocks2,nope"],
         "unknown ablation(s) ['nope']",
-        "stock",
+        "fallback",
     ),
     bad(
         "bench_setup_unknown",

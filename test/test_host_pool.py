@@ -120,21 +120,25 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(pool))
 
 
-def test_refuses_page_head(cpu_kernels, no_allocation, mxfp8_pool):
-    """Refused by name, with the reason: the owned page is layer-major."""
+@pytest.mark.parametrize("layout", ["page_unified", "page_first_kv_split"])
+def test_refuses_layout_no_mha_pool_offers(
+    cpu_kernels, no_allocation, mxfp8_pool, layout
+):
+    """SGLang's internal page_unified and its MLA/NPU-only kv_split layout."""
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
         MXFP8HiCacheConfigError,
-        match="--hicache-mem-layout page_head is not served: .*heads-major.*"
-        "Use --hicache-mem-layout page_first, page_first_direct, layer_first",
+        match=f"--hicache-mem-layout {layout} is not served: SGLang offers it for "
+        "no MHA host pool. Use --hicache-mem-layout page_first, page_first_direct, "
+        "layer_first, page_head",
     ):
-        MHATokenToKVPoolMXFP8Host(
-            info, 2.0, 0, 128, "page_head", **_kwargs(mxfp8_pool)
-        )
+        MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, layout, **_kwargs(mxfp8_pool))
 
 
 @on_cpu
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+@pytest.mark.parametrize(
+    "layout", ["page_first", "page_first_direct", "layer_first", "page_head"]
+)
 def test_every_layout_is_the_owned_page(make_pools, layout, caplog):
     """Each layout SGLang offers is served by the same page; one log line says
     which layout was asked for and what the pool does."""
@@ -145,7 +149,9 @@ def test_every_layout_is_the_owned_page(make_pools, layout, caplog):
     assert host.layout == layout
     assert host.kv_buffer.shape == (host.page_num, host.host_page.span_bytes)
     assert host.can_use_write_back_jit == (layout == "page_first")
-    lines = [r.getMessage() for r in caplog.records if r.name == host_pool_module.__name__]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == host_pool_module.__name__
+    ]
     assert len(lines) == 1
     assert f"--hicache-mem-layout {layout}" in lines[0]
     assert "one owned page" in lines[0]
@@ -165,9 +171,7 @@ def test_refuses_decode_host_receive(
         )
 
 
-def test_refuses_other_io_backend(
-    cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
-):
+def test_refuses_other_io_backend(cpu_kernels, no_allocation, mxfp8_pool, monkeypatch):
     monkeypatch.setattr(
         host_pool_module, "configured_io_backend", lambda: "kernel_ascend"
     )

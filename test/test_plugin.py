@@ -92,6 +92,7 @@ def test_register_is_idempotent(recorded_hooks):
         plugin.HOST_INPUTS_HOOK_TARGET,
         storage.FACTORY_HOOK_TARGET,
         plugin.STAGING_HOOK_TARGET,
+        plugin.PRE_SIZING_HOOK_TARGET,
     ]
     assert plugin.is_registered()
 
@@ -154,7 +155,8 @@ def test_hook_claims_block_scaled_pools(kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "fp4_mx_block16", "nvfp4"])
 def test_no_payload_staging_for_block_scaled_pools(kv_cache_dtype):
     """SGLang's write-back staging (GPU memory sized for its page_first payload
-    kernel) is never prepared for a pool of ours; other pools get SGLang's."""
+    kernel) is not prepared for a pool of ours before the KV cache is sized;
+    other pools get SGLang's."""
     calls = []
 
     def original(info, **kwargs):
@@ -162,12 +164,21 @@ def test_no_payload_staging_for_block_scaled_pools(kv_cache_dtype):
         return "staging"
 
     ours = _buffer_info(kv_cache_dtype=kv_cache_dtype)
-    assert plugin.skip_payload_staging(original, ours, layer_num=1, page_size=128) is None
-    assert calls == []
     other = _buffer_info(payload_dtype=torch.bfloat16)
     kwargs = dict(layer_num=1, page_size=128)
-    assert plugin.skip_payload_staging(original, other, **kwargs) == "staging"
+
+    def prepare():
+        """What SGLang's prepare_hicache_staging does for two pools."""
+        return [
+            plugin.skip_payload_staging(original, info, **kwargs)
+            for info in (ours, other)
+        ]
+
+    assert plugin.mark_staging_preparation(prepare) == [None, "staging"]
     assert calls == [kwargs]
+    # Outside that preparation (a host pool of SGLang's own, built later, asks
+    # for its staging) nothing is skipped.
+    assert plugin.skip_payload_staging(original, ours, **kwargs) == "staging"
 
 
 @pytest.mark.parametrize("order", ["plugins_first", "builder_first"])

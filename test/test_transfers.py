@@ -23,6 +23,7 @@ from sglang_mxfp8_hicache.host_pool import (
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.selfcheck import (
     IO_BACKEND,
+    PayloadOnlyHost,
     device_buffers,
     fill_random,
     page_token_indices,
@@ -90,6 +91,8 @@ FP4_FORMATS = ["fp4_mx_block16", "nvfp4"]
         (2, 3, 70, 2, "page_first", 16),  # scale runs of 64 B
         (1, 2, 9, 0, "layer_first", 16),  # payload runs of 1 KiB
         (8, 4, 9, 0, "layer_first", 64),
+        (4, 3, 9, 1, "page_head", 128),  # heads-major: 8 B strided scale rows
+        (2, 2, 5, 0, "page_head", 16),
     ],
     ids=lambda v: "fp4-" + str(v),
 )
@@ -156,6 +159,7 @@ def test_round_trip_draft(make_pools, heads, layers, drafts, pages):
 LAYOUT_IO = [
     ("page_first", "kernel"),
     ("layer_first", "kernel"),
+    ("page_head", "kernel"),
     ("page_first_direct", "direct"),
     ("layer_first", "direct"),
 ]
@@ -224,7 +228,9 @@ def test_round_trip_asymmetric(make_pools, heads, head_dim, v_head_dim, drafts):
 @pytest.mark.parametrize("kv_cache_dtype", FP4_FORMATS)
 def test_asymmetric_fp4_refused(make_pools, kv_cache_dtype):
     """SGLang's FP4 pool keeps V at K's head dim: refused, saying so."""
-    with pytest.raises(MXFP8HiCacheConfigError, match="SGLang serves no asymmetric FP4"):
+    with pytest.raises(
+        MXFP8HiCacheConfigError, match="SGLang serves no asymmetric FP4"
+    ):
         make_pools(
             heads=2,
             head_dim=192,
@@ -319,7 +325,7 @@ def test_draft_scales_load_only_with_is_draft(make_pools):
 def test_plain_host_pool_loses_scales(make_pools):
     """The control: SGLang's payload-only host pool restores the payload only."""
     device_pool, host = make_pools(
-        heads=8, head_dim=128, layers=2, pages=8, host_cls=MHATokenToKVPoolHost
+        heads=8, head_dim=128, layers=2, pages=8, host_cls=PayloadOnlyHost
     )
     result = round_trip(device_pool, host, pages=8)
     assert result.payload_restored
@@ -393,10 +399,7 @@ def _host_runs(host, layers) -> list[torch.Tensor]:
     for part, size in enumerate(page.run_bytes()):
         runs.append(
             torch.stack(
-                [
-                    raw[:, page.run_offsets(layer)[part] :][:, :size]
-                    for layer in layers
-                ]
+                [raw[:, page.run_offsets(layer)[part] :][:, :size] for layer in layers]
             )
         )
     return runs
@@ -458,13 +461,18 @@ def test_mover_moves_exactly_its_pages(
     device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=5)
     _use_mover(host, kernel)
     layers = range(3)
-    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(1))
+    fill_random(
+        device_buffers(device_pool), torch.Generator(device=device).manual_seed(1)
+    )
     fill_random([host.kv_buffer], torch.Generator().manual_seed(2))
     device_pages, host_pages = torch.tensor([4, 1, 3]), torch.tensor([2, 0, 5])
     backup_hosts = page_token_indices(host_pages)
     if host_indices_on == "gpu":
         backup_hosts = backup_hosts.to(device, index_dtype)
-    device_before, host_before = _device_runs(device_pool, layers), _host_runs(host, layers)
+    device_before, host_before = (
+        _device_runs(device_pool, layers),
+        _host_runs(host, layers),
+    )
     host._mover.move(
         host._backup_prepared,
         backup_hosts,
@@ -481,8 +489,13 @@ def test_mover_moves_exactly_its_pages(
         assert torch.equal(host_now, expected), f"part {part}"
         assert torch.equal(dev_now, device_before[part])
 
-    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(3))
-    device_before, host_before = _device_runs(device_pool, layers), _host_runs(host, layers)
+    fill_random(
+        device_buffers(device_pool), torch.Generator(device=device).manual_seed(3)
+    )
+    device_before, host_before = (
+        _device_runs(device_pool, layers),
+        _host_runs(host, layers),
+    )
     load_pages = torch.tensor([2, 5, 1])
     host._mover.move(
         host._backup_prepared,
@@ -552,7 +565,9 @@ def test_backup_refuses_before_a_byte_moves(make_pools, device, kernel, case):
 def test_load_refuses_partial_page_before_a_byte_moves(make_pools, device, kernel):
     device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
     _use_mover(host, kernel)
-    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(6))
+    fill_random(
+        device_buffers(device_pool), torch.Generator(device=device).manual_seed(6)
+    )
     before = _snapshot(device_pool, host)
     host_tokens, device_tokens = _misaligned_indices("misaligned_partial_page")
     with pytest.raises(RuntimeError, match="are not whole pages of 128"):
@@ -606,7 +621,9 @@ def test_misaligned_gpu_indices_move_nothing_and_raise_next(
         pytest.skip("no GPU: indices on the CPU are checked before the launch")
     device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=2)
     fill_random([host.kv_buffer], torch.Generator().manual_seed(9))
-    fill_random(device_buffers(device_pool), torch.Generator(device=device).manual_seed(10))
+    fill_random(
+        device_buffers(device_pool), torch.Generator(device=device).manual_seed(10)
+    )
     host_tokens = page_token_indices(torch.tensor([0, 1]))
     device_tokens = page_token_indices(torch.tensor([2, 1]))
     bad = host_tokens if side == "host" else device_tokens
@@ -628,7 +645,9 @@ def test_misaligned_gpu_indices_move_nothing_and_raise_next(
     # Page 0 of the transfer moved; page 1 did not, on either side.
     src_page, dst_page = (0, 2) if direction == "load" else (2, 0)
     for part in range(4):
-        assert torch.equal(after[moved][part][:, dst_page], before[kept][part][:, src_page])
+        assert torch.equal(
+            after[moved][part][:, dst_page], before[kept][part][:, src_page]
+        )
         assert torch.equal(after[kept][part], before[kept][part])
         pages = after[moved][part].shape[1]
         untouched = [p for p in range(pages) if p != dst_page]
@@ -643,3 +662,38 @@ def test_misaligned_gpu_indices_move_nothing_and_raise_next(
         )
     # Raised once: the pool serves the next transfer.
     host._mover.raise_if_refused()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", *FP4_FORMATS])
+def test_page_head_groups_are_pages_of_fewer_heads(make_pools, device, kv_cache_dtype):
+    """page_head: head group g of a heads-major page holds exactly the page of
+    a rank that keeps only those heads (TP 4 against TP 2 of one model), so
+    mooncake's split heads can share L3 objects across TP sizes; the split
+    meta points at those bytes."""
+    common = dict(head_dim=128, layers=3, pages=2, layout="page_head")
+    dev4, host4 = make_pools(heads=4, kv_cache_dtype=kv_cache_dtype, **common)
+    dev2, host2 = make_pools(heads=2, kv_cache_dtype=kv_cache_dtype, **common)
+    fill_random(device_buffers(dev4), torch.Generator(device=device).manual_seed(12))
+    for whole, half in zip(device_buffers(dev4), device_buffers(dev2), strict=True):
+        # Heads 2-3 of the 4-head rank are the 2-head rank's heads.
+        half.view(half.shape[0], 2, -1).copy_(whole.view(whole.shape[0], 4, -1)[:, 2:])
+    host_tokens = page_token_indices(torch.tensor([1]))
+    device_tokens = page_token_indices(torch.tensor([2])).to(device)
+    for dev, host in ((dev4, host4), (dev2, host2)):
+        host.backup_from_device_all_layer(dev, host_tokens, device_tokens, IO_BACKEND)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert host4.storage_format_tag == host2.storage_format_tag  # no head count
+    ptrs4, sizes4 = host4.get_split_heads_page_buffer_meta(host_tokens, 2)
+    ptrs2, sizes2 = host2.get_page_buffer_meta(host_tokens)
+    assert sizes4 == sizes2 * 2
+    raw4 = host4.kv_buffer.view(torch.uint8).view(-1)
+    raw2 = host2.kv_buffer.view(torch.uint8).view(-1)
+    base4, base2 = host4.kv_buffer.data_ptr(), host2.kv_buffer.data_ptr()
+    # Group 1 (K, V) of the 4-head page is the 2-head page (K, V), byte for byte.
+    for ptr4, ptr2, size in zip(ptrs4[2:], ptrs2, sizes2, strict=True):
+        group = raw4[ptr4 - base4 :][:size]
+        assert torch.equal(group.cpu(), raw2[ptr2 - base2 :][:size].cpu())
+    assert not torch.equal(
+        raw4[ptrs4[0] - base4 :][: sizes2[0]], raw2[ptrs2[0] - base2 :][: sizes2[0]]
+    )

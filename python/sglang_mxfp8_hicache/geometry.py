@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 
+
 @dataclass(frozen=True)
 class ScaleFormat:
     """What fixes a block-scaled KV format's bytes.

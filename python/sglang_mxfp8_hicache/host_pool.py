@@ -62,19 +62,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SERVED_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
-"""Host layouts SGLang offers for MHA pools that this pool serves: each is the
-one owned page; SGLang's controller places a transfer's indices by the name."""
+SERVED_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
+"""Host layouts SGLang offers for MHA pools, all served: ``page_head`` by the
+heads-major page (L3 head groups shared across TP sizes), the others by the
+layer-major one; SGLang's controller places a transfer's indices by the name."""
+HEADS_MAJOR_LAYOUT = "page_head"
 SERVED_IO_BACKENDS = ("kernel", "direct")
-REFUSED_LAYOUTS = {
-    "page_head": (
-        "a page_head page is heads-major, so that mooncake can store one head "
-        "group per object for ranks of another TP size; the owned page is "
-        "layer-major (one contiguous run per device page and layer), and no "
-        "head-major host page of block-scaled KV is implemented"
-    ),
-}
-"""Host layouts SGLang builds that this pool refuses, and why (README table)."""
 
 
 class MXFP8HiCacheConfigError(ValueError):
@@ -279,10 +272,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "page. Give both the same --page-size."
             )
         if layout not in SERVED_LAYOUTS:
-            reason = REFUSED_LAYOUTS.get(layout, "it has no transfer path")
             raise refuse(
-                f"--hicache-mem-layout {layout} is not served: {reason}. Use "
-                f"--hicache-mem-layout {', '.join(SERVED_LAYOUTS)}."
+                f"--hicache-mem-layout {layout} is not served: SGLang offers it "
+                "for no MHA host pool. Use --hicache-mem-layout "
+                f"{', '.join(SERVED_LAYOUTS)}."
             )
         io_backend = configured_io_backend()
         if io_backend not in (None, *SERVED_IO_BACKENDS):
@@ -343,7 +336,12 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         except ValueError as exc:
             raise refuse(str(exc)) from None
-        page = HostPage(k, v, layer_num=len(buffer_info.buffers.k) + len(draft_buffer_infos))
+        page = HostPage(
+            k,
+            v,
+            layer_num=len(buffer_info.buffers.k) + len(draft_buffer_infos),
+            heads_major=layout == HEADS_MAJOR_LAYOUT,
+        )
         run_bytes = dict(zip(PARTS, page.run_bytes(), strict=True))
         for info in (buffer_info, *draft_buffer_infos):
             runs = (
@@ -384,11 +382,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     @property
     def k_buffer(self) -> torch.Tensor:
-        return self.kv_buffer[:, : self.host_page.k_part.span_bytes // self.dtype.itemsize]
+        return self.kv_buffer[
+            :, : self.host_page.k_part.span_bytes // self.dtype.itemsize
+        ]
 
     @property
     def v_buffer(self) -> torch.Tensor:
-        return self.kv_buffer[:, self.host_page.k_part.span_bytes // self.dtype.itemsize :]
+        return self.kv_buffer[
+            :, self.host_page.k_part.span_bytes // self.dtype.itemsize :
+        ]
 
     def _initialize_transfer_views(self, buffer_info, write_back_staging) -> None:
         """The base class's per-layer payload views and staging do not apply
@@ -404,13 +406,19 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self.can_use_write_back_jit = self.layout == "page_first"
         page = self.host_page
         (host_base,) = make_kernel_ptr_table(
-            [self.kv_buffer], self._transfer_device, host_memory_registered=self.pin_memory
+            [self.kv_buffer],
+            self._transfer_device,
+            host_memory_registered=self.pin_memory,
         ).tolist()
         device_bases = [
             (k.data_ptr(), ks.data_ptr(), v.data_ptr(), vs.data_ptr())
             for info in self._scaled_infos
             for k, ks, v, vs in zip(
-                info.buffers.k, info.scales.k, info.buffers.v, info.scales.v, strict=True
+                info.buffers.k,
+                info.scales.k,
+                info.buffers.v,
+                info.scales.v,
+                strict=True,
             )
         ]
         tables = transfer.PageChunkTables(
@@ -420,7 +428,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             ),
             host_stride=page.span_bytes,
             page_size=self.page_size,
-            run_bytes=page.run_bytes(),
+            parts=page.chunk_shapes(),
+            heads=page.heads,
             device=torch.device(self._transfer_device),
         )
         self._mover = self._mover_factory(tables)
@@ -586,7 +595,26 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor):
-        raise NotImplementedError(
-            f"{self.pool_label}: {self.host_page.fmt.name} pages cannot be split "
-            f"by heads: {REFUSED_LAYOUTS['page_head']}"
-        )
+        """Per page and head group, the group's K then V bytes: pointers and
+        sizes (mooncake's split heads, ``page_head`` only)."""
+        page = self.host_page
+        heads = page.k.head_num
+        if not page.heads_major or split_factor <= 0 or heads % split_factor:
+            raise NotImplementedError(
+                f"{self.pool_label}: {page.fmt.name} pages split into "
+                f"{split_factor} head groups only with --hicache-mem-layout "
+                f"{HEADS_MAJOR_LAYOUT} and a head count ({heads}) the split divides"
+            )
+        starts = indices[:: self.page_size].to(device="cpu", dtype=torch.int64)
+        misaligned = starts[starts % self.page_size != 0]
+        if len(misaligned):
+            self._page_of(int(misaligned[0]))  # raises, naming the index
+        group = heads // split_factor
+        k_head, v_head = page.head_span_bytes()
+        base = self.kv_buffer.data_ptr() + starts // self.page_size * page.span_bytes
+        offsets = torch.arange(split_factor) * group
+        k = base[:, None] + offsets * k_head
+        v = base[:, None] + page.k_part.span_bytes + offsets * v_head
+        pointers = torch.stack([k, v], dim=2).reshape(-1).tolist()
+        sizes = [group * k_head, group * v_head] * (split_factor * len(starts))
+        return pointers, sizes

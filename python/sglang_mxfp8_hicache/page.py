@@ -18,6 +18,18 @@ chunk between a device page number times the run's bytes and a host page
 number times ``span_bytes``, whatever the format: the host page never needs to
 know what a scale byte means, and neither does an L3 backend.
 
+``--hicache-mem-layout page_head`` asks for a heads-major page, so that an L3
+object can hold a group of heads and ranks of another TP size can share it
+(mooncake's split heads). Then each part is, head by head, every layer's
+chunk of that head: the payload rows of the head (strided on the device) and
+its scales (MXFP8's atom keeps a head's scales of a page contiguous; FP4's
+per-token rows hold them as strided rows). A head group's bytes are then the
+same whatever the rank's head count, which is why the key tag of a
+heads-major page names no head count:
+
+    heads-major K part:  head 0: [layer 0: payload | scales] ... [layer L-1: ...]
+                         head 1: ...
+
 This module imports no CUDA code.
 """
 
@@ -59,12 +71,38 @@ class PagePart:
 
 
 @dataclass(frozen=True)
+class ChunkShape:
+    """How one part of one (page, layer) moves (``csrc/page_chunks.cuh``):
+    ``HostPage.heads`` chunks of ``bytes``, each ``bytes // row_bytes`` device
+    rows ``device_row_stride`` apart, contiguous on the host."""
+
+    bytes: int
+    row_bytes: int
+    device_page_stride: int
+    device_head_stride: int
+    device_row_stride: int
+    host_head_stride: int
+
+    def fields(self) -> tuple[int, ...]:
+        """In the kernel's order."""
+        return (
+            self.bytes,
+            self.row_bytes,
+            self.device_page_stride,
+            self.device_head_stride,
+            self.device_row_stride,
+            self.host_head_stride,
+        )
+
+
+@dataclass(frozen=True)
 class HostPage:
     """The byte order of one host page (module docstring) for one pool."""
 
     k: ScaleGeometry
     v: ScaleGeometry
     layer_num: int
+    heads_major: bool = False
 
     def __post_init__(self) -> None:
         if (self.k.fmt, self.k.page_size, self.k.head_num) != (
@@ -104,27 +142,96 @@ class HostPage:
     def scale_bytes_per_token(self) -> int:
         return (self.k.bytes_per_token + self.v.bytes_per_token) * self.layer_num
 
+    @property
+    def heads(self) -> int:
+        """Chunks per part and layer: one, or one per head (heads-major)."""
+        return self.k.head_num if self.heads_major else 1
+
     def run_bytes(self) -> tuple[int, int, int, int]:
-        """Bytes of each part (``PARTS``) of one page and layer."""
+        """Bytes of each part (``PARTS``) of one page and layer, all heads."""
         k, v = self.k_part, self.v_part
         return k.payload_bytes, k.scale_bytes, v.payload_bytes, v.scale_bytes
 
+    def _head_part(self, side: ScaleGeometry) -> PagePart:
+        """One head's chunks of one side: a heads-major part is H of these."""
+        return PagePart(
+            side.payload_page_bytes // side.head_num,
+            side.page_bytes // side.head_num,
+            self.layer_num,
+        )
+
+    def head_span_bytes(self) -> tuple[int, int]:
+        """Bytes of one head's K and V chunks of every layer (heads-major)."""
+        return (
+            self._head_part(self.k).span_bytes,
+            self._head_part(self.v).span_bytes,
+        )
+
+    def chunk_shapes(self) -> tuple[ChunkShape, ...]:
+        """How each part (``PARTS``) moves."""
+        shapes = []
+        for side in (self.k, self.v):
+            payload, scales = side.payload_page_bytes, side.page_bytes
+            if not self.heads_major:
+                shapes += [
+                    ChunkShape(payload, payload, payload, 0, payload, 0),
+                    ChunkShape(scales, scales, scales, 0, scales, 0),
+                ]
+                continue
+            head = self._head_part(side)
+            row = side.payload_head_bytes
+            shapes.append(
+                ChunkShape(
+                    head.payload_bytes,
+                    row,
+                    payload,
+                    row,
+                    side.payload_bytes_per_token,
+                    head.span_bytes,
+                )
+            )
+            # MXFP8's atom keeps a head's scales of a page contiguous; FP4's
+            # per-token rows hold them as a strided column.
+            scale_row = head.scale_bytes if side.fmt.interleaved else side.sf_dim
+            shapes.append(
+                ChunkShape(
+                    head.scale_bytes,
+                    scale_row,
+                    scales,
+                    head.scale_bytes if side.fmt.interleaved else side.sf_dim,
+                    side.bytes_per_token,
+                    head.span_bytes,
+                )
+            )
+        return tuple(shapes)
+
     def run_offsets(self, layer: int) -> tuple[int, int, int, int]:
-        """Where each part (``PARTS``) of ``layer`` starts in a host page."""
+        """Where each part (``PARTS``) of ``layer`` starts in a host page (its
+        first head's chunk, heads-major)."""
         k, v = self.k_part, self.v_part
+        if self.heads_major:
+            k, v = self._head_part(self.k), self._head_part(self.v)
+        k_span = self.k_part.span_bytes
         return (
             k.payload_offset(layer),
             k.scale_offset(layer),
-            k.span_bytes + v.payload_offset(layer),
-            k.span_bytes + v.scale_offset(layer),
+            k_span + v.payload_offset(layer),
+            k_span + v.scale_offset(layer),
         )
 
     def describe(self) -> str:
         k, v = self.k_part, self.v_part
+        if self.heads_major:
+            k, v = self._head_part(self.k), self._head_part(self.v)
+        unit = (
+            f"{self.heads} heads of {self.layer_num} layers"
+            if self.heads_major
+            else f"{self.layer_num} layers"
+        )
         return (
-            f"{self.span_bytes} B per page: K {k.span_bytes} B then V {v.span_bytes} B, "
-            f"each {self.layer_num} layers of [payload {k.payload_bytes} B | scales "
-            f"{k.scale_bytes} B]"
+            f"{self.span_bytes} B per page: K {self.k_part.span_bytes} B then V "
+            f"{self.v_part.span_bytes} B, each {unit} of [payload {k.payload_bytes} B "
+            f"| scales {k.scale_bytes} B]"
             + (
                 ""
                 if k == v
@@ -138,11 +245,14 @@ class HostPage:
         Names the format, the page format version and every number that fixes
         a page's bytes (layers, heads, head dims, page size), so that a page of
         another format, version or geometry never shares a key with one of ours.
+        A heads-major page (``hm``) names no head count: its head groups are
+        stored per head and shared by ranks of other TP sizes.
         """
         dims = f"d{self.k.head_dim}"
         if self.v.head_dim != self.k.head_dim:
             dims += f"v{self.v.head_dim}"
+        heads = "hm" if self.heads_major else f"h{self.k.head_num}"
         return (
             f"{self.fmt.name}v{STORAGE_FORMAT_VERSION}-l{self.layer_num}"
-            f"h{self.k.head_num}{dims}p{self.page_size}"
+            f"{heads}{dims}p{self.page_size}"
         )

@@ -25,6 +25,7 @@ hook that called such an alias would call itself.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 from collections.abc import Callable
@@ -42,7 +43,10 @@ HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
 HOST_INPUTS_HOOK_TARGET = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs"
 )
-STAGING_HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.prepare_mha_write_back_staging"
+STAGING_HOOK_TARGET = (
+    "sglang.srt.mem_cache.pool_host.mha.prepare_mha_write_back_staging"
+)
+PRE_SIZING_HOOK_TARGET = "sglang.srt.mem_cache.kv_cache_builder.prepare_hicache_staging"
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
 """The first release with an MXFP8 HiCache host pool of its own; older ones
@@ -132,15 +136,32 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
     return original(pool, drafts)
 
 
-def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
-    """AROUND hook on ``prepare_mha_write_back_staging``: no device staging for
-    a pool of ours.
+_preparing_staging: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "sglang_mxfp8_hicache_preparing_staging", default=False
+)
 
-    SGLang sizes GPU staging for its own page_first write-back kernel before it
-    measures the KV budget (2 x 64 pages of every layer's payload: 512 MiB for
-    32 layers of 8x128 fp8); our pool moves pages without it.
+
+def mark_staging_preparation(original: Callable[..., Any], **kwargs):
+    """AROUND hook on ``prepare_hicache_staging``, where SGLang allocates GPU
+    staging for every MHA pool's write-back before it measures the KV budget:
+    ``skip_payload_staging`` acts only inside it."""
+    token = _preparing_staging.set(True)
+    try:
+        return original(**kwargs)
+    finally:
+        _preparing_staging.reset(token)
+
+
+def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
+    """AROUND hook on ``prepare_mha_write_back_staging``: no staging for a pool
+    of ours while SGLang prepares it before sizing the KV cache.
+
+    That staging (2 x 64 pages of every layer's payload: 512 MiB for 32 layers
+    of 8x128 fp8) serves SGLang's own page_first write-back kernel; our pool
+    moves pages without it. A host pool of SGLang's own that is built later
+    (its constructor calls this function too) still gets its staging.
     """
-    if claims(buffer_info) is not None:
+    if _preparing_staging.get() and claims(buffer_info) is not None:
         return None
     return original(buffer_info, **kwargs)
 
@@ -205,4 +226,7 @@ def register() -> None:
         storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend, HookType.AROUND
     )
     HookRegistry.register(STAGING_HOOK_TARGET, skip_payload_staging, HookType.AROUND)
+    HookRegistry.register(
+        PRE_SIZING_HOOK_TARGET, mark_staging_preparation, HookType.AROUND
+    )
     _registered = True

@@ -37,7 +37,7 @@ import torch
 from sglang.kernels.jit.utils import cache_once, load_jit, make_cpp_args
 from sglang.kernels.ops.kvcache import hicache
 
-from sglang_mxfp8_hicache.page import PARTS, HostPage
+from sglang_mxfp8_hicache.page import PARTS, ChunkShape, HostPage
 
 if TYPE_CHECKING:
     from tvm_ffi.module import Module
@@ -77,8 +77,15 @@ class PageChunkTables:
     bases: tuple[tuple[int, ...], ...]
     host_stride: int
     page_size: int
-    run_bytes: tuple[int, int, int, int]
+    parts: tuple[ChunkShape, ...]
+    """How each part (``PARTS``) moves, ``heads`` chunks per page and layer."""
+    heads: int
     device: torch.device
+
+    @property
+    def run_bytes(self) -> tuple[int, ...]:
+        """Bytes of each part of one page and layer (all heads)."""
+        return tuple(part.bytes * self.heads for part in self.parts)
 
     @property
     def layer_num(self) -> int:
@@ -162,10 +169,12 @@ class PageChunkKernel:
     ) -> None:
         self._tables = tables
         addresses = [base for layer in tables.bases for base in layer]
+        fields = [field for part in tables.parts for field in part.fields()]
         self._module = page_chunks_module(
-            vector_bytes([*tables.run_bytes, tables.host_stride, *addresses])
+            vector_bytes([*fields, tables.host_stride, *addresses])
         )
         self._all = torch.tensor(tables.bases, dtype=torch.uint64, device=tables.device)
+        self._parts = torch.tensor(fields, dtype=torch.int64).view(len(PARTS), -1)
         self._max_blocks = max_blocks
         # Pinned, so the kernel can write it and the CPU read it without a copy.
         words = 2 if check_gpu_indices else 0
@@ -183,8 +192,9 @@ class PageChunkKernel:
             self._refused,
             host_indices,
             device_indices,
+            self._parts,
+            tables.heads,
             tables.host_stride,
-            *tables.run_bytes,
             tables.page_size,
             to_host,
             self._max_blocks,
@@ -233,7 +243,7 @@ class SGLangChunkKernels:
 
     def __init__(self, tables: PageChunkTables) -> None:
         self._tables = tables
-        self._elements = self.check(tables.run_bytes)
+        self._elements = self.check(tables.parts, tables.heads)
         # Runs with the same device page size share a launch (K and V of
         # symmetric heads).
         self._groups: dict[int, list[int]] = {}
@@ -241,9 +251,15 @@ class SGLangChunkKernels:
             self._groups.setdefault(size, []).append(part)
 
     @staticmethod
-    def check(run_bytes: Sequence[int]) -> dict[int, int]:
-        """The slice SGLang's kernels move for each run size; raises if none."""
-        elements = {size: fallback_element(size) for size in run_bytes}
+    def check(parts: Sequence[ChunkShape], heads: int) -> dict[int, int]:
+        """The slice SGLang's kernels move for each run size; raises if none.
+        Runs only: a heads-major page's strided head chunks have no index
+        that addresses them on both sides."""
+        if heads != 1 or any(part.row_bytes != part.bytes for part in parts):
+            raise TransferUnavailable(
+                "SGLang's JIT HiCache kernels address no heads-major page"
+            )
+        elements = {part.bytes: fallback_element(part.bytes) for part in parts}
         missing = sorted(size for size, element in elements.items() if element is None)
         if missing:
             raise TransferUnavailable(
@@ -268,8 +284,12 @@ class SGLangChunkKernels:
             )
             launches.append(
                 _SGLangLaunch(
-                    device_table=torch.tensor(device, dtype=torch.uint64, device=tables.device),
-                    host_table=torch.tensor(host, dtype=torch.uint64, device=tables.device),
+                    device_table=torch.tensor(
+                        device, dtype=torch.uint64, device=tables.device
+                    ),
+                    host_table=torch.tensor(
+                        host, dtype=torch.uint64, device=tables.device
+                    ),
                     element=element,
                     device_stride=size,
                 )
@@ -296,9 +316,7 @@ class SGLangChunkKernels:
 
     def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
-        check_transfer_pages(
-            host_indices, device_indices, self._tables.page_size, what
-        )
+        check_transfer_pages(host_indices, device_indices, self._tables.page_size, what)
         host_pages, device_pages = self._page_numbers(host_indices, device_indices)
         host_stride = self._tables.host_stride
         for launch in prepared:
@@ -325,10 +343,14 @@ MoverFactory = Callable[[PageChunkTables], PageChunkMover]
 
 
 def page_vector_bytes(page: HostPage) -> int:
-    """The widest vector our kernel can use for ``page``: it divides every run,
-    the host span and every run's offset in it (allocations are aligned wider)."""
-    offsets = [off for layer in range(page.layer_num) for off in page.run_offsets(layer)]
-    return vector_bytes([*page.run_bytes(), page.span_bytes, *offsets])
+    """The widest vector our kernel can use for ``page``: it divides every
+    chunk's rows and strides, the host span and every chunk's offset in it
+    (allocations are aligned wider)."""
+    offsets = [
+        off for layer in range(page.layer_num) for off in page.run_offsets(layer)
+    ]
+    fields = [field for part in page.chunk_shapes() for field in part.fields()]
+    return vector_bytes([*fields, page.span_bytes, *offsets])
 
 
 def choose_mover(page: HostPage, *, pool_label: str) -> MoverFactory:
@@ -340,7 +362,7 @@ def choose_mover(page: HostPage, *, pool_label: str) -> MoverFactory:
     except Exception as exc:
         ours_error = exc
     try:
-        SGLangChunkKernels.check(page.run_bytes())
+        SGLangChunkKernels.check(page.chunk_shapes(), page.heads)
     except Exception as exc:
         raise TransferUnavailable(
             f"no kernel moves these page chunks (ours: {ours_error}; SGLang's: {exc})"

@@ -1,13 +1,17 @@
 // Block-scaled HiCache: the page chunks of one transfer, payload and scales, in
 // one launch.
 //
-// A host page is one span of `host_stride` bytes. For one layer, the device
-// holds each part of a page (K payload, K scales, V payload, V scales) as one
-// contiguous run: page d of part c starts at device_base[layer][c] +
-// d * part_bytes[c]. On the host the same run sits at host_base[layer][c] +
-// h * host_stride. A transfer names pages by their token indices (whole pages,
-// each one aligned run); this kernel reads each page's first token index
-// itself, so nothing is gathered or uploaded per transfer.
+// A host page is one span of `host_stride` bytes. Each layer of a page has
+// four parts (K payload, K scales, V payload, V scales); a part is moved as
+// `heads` chunks of `bytes` (one, or one per KV head for a heads-major host
+// page). Chunk h of part c of device page d starts at
+//   device_base[layer][c] + d * device_page_stride[c] + h * device_head_stride[c]
+// and is `bytes / row_bytes` rows of `row_bytes`, `device_row_stride` apart
+// (one row when the device keeps the chunk contiguous). On the host it is
+// contiguous, at host_base[layer][c] + p * host_stride + h * host_head_stride[c].
+// A transfer names pages by their token indices (whole pages, each one aligned
+// run); this kernel reads each page's first token index itself, so nothing is
+// gathered or uploaded per transfer.
 //
 // Indices on the GPU are read by the kernel and checked there: a page that is
 // not one aligned run is not moved, and its side and first token go to two
@@ -63,14 +67,27 @@ struct VecOf<1> {
   using type = uint8_t;
 };
 
+// The shape of one part's chunks (see the top of this file).
+struct PartShape {
+  int64_t device_page_stride;
+  int64_t device_head_stride;
+  int64_t device_row_stride;
+  int64_t host_head_stride;
+  uint32_t bytes;
+  uint32_t row_bytes;
+  uint32_t units;  // copy units per chunk
+};
+
+inline constexpr int64_t kPartFields = 6;  // bytes, row_bytes, then the four strides
+
 // What every launch of one pool and direction shares.
 struct ChunkShape {
   const uint64_t* __restrict__ tables;  // [num_layers][8]
   int64_t* __restrict__ refused;        // 2 pinned words: side (1 device, 2 host), first token
   int64_t host_stride;                  // bytes per host page
-  uint32_t part_bytes[kParts];          // bytes per page and layer of each part
-  uint32_t part_units[kParts];          // copy units per page and layer of each part
-  uint32_t units_per_layer;
+  PartShape parts[kParts];
+  uint32_t units_per_head;  // of one layer: the units of its four parts
+  uint32_t heads;           // chunks per part and layer
   uint32_t num_layers;
   uint32_t page_size;
 };
@@ -153,7 +170,8 @@ __global__ __launch_bounds__(kBlockSize) void page_chunks_kernel(const __grid_co
   constexpr uint32_t kWarpsPerBlock = kBlockSize / kWarpLanes;
   const ChunkShape& shape = params.shape;
   const uint32_t lane = threadIdx.x % kWarpLanes;
-  const uint64_t units_per_page = uint64_t{shape.units_per_layer} * shape.num_layers;
+  const uint32_t units_per_layer = shape.units_per_head * shape.heads;
+  const uint64_t units_per_page = uint64_t{units_per_layer} * shape.num_layers;
   const uint64_t num_items = units_per_page * params.num_pages;
   const uint64_t num_warps = uint64_t{gridDim.x} * kWarpsPerBlock;
   for (uint64_t item = uint64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpLanes; item < num_items;
@@ -164,33 +182,42 @@ __global__ __launch_bounds__(kBlockSize) void page_chunks_kernel(const __grid_co
     if (!locate_page<T, kHostByValue, kDeviceByValue, kMaxPages>(params, page, in_page, &host_page, &device_page)) {
       continue;
     }
-    const uint32_t layer = in_page / shape.units_per_layer;
-    uint32_t unit = in_page - layer * shape.units_per_layer;
+    const uint32_t layer = in_page / units_per_layer;
+    uint32_t unit = in_page - layer * units_per_layer;
+    const uint32_t head = unit / shape.units_per_head;
+    unit -= head * shape.units_per_head;
     uint32_t part = 0;
-    while (unit >= shape.part_units[part]) {
-      unit -= shape.part_units[part];
+    while (unit >= shape.parts[part].units) {
+      unit -= shape.parts[part].units;
       ++part;
     }
-    const uint32_t bytes = shape.part_bytes[part];
+    const PartShape& ps = shape.parts[part];
     const uint64_t* table = shape.tables + static_cast<uint64_t>(layer) * kTableWidth;
-    auto* device = reinterpret_cast<uint8_t*>(table[part]) + device_page * bytes;
-    auto* host = reinterpret_cast<uint8_t*>(table[kParts + part]) + host_page * shape.host_stride;
-    const uint8_t* src = kToHost ? device : host;
-    uint8_t* dst = kToHost ? host : device;
+    auto* device = reinterpret_cast<uint8_t*>(table[part]) + device_page * ps.device_page_stride +
+                   head * ps.device_head_stride;
+    auto* host = reinterpret_cast<uint8_t*>(table[kParts + part]) + host_page * shape.host_stride +
+                 head * ps.host_head_stride;
     const uint32_t base = unit * kUnitBytes + lane * kVec;
+    // A vector never straddles two device rows: kVec divides row_bytes.
+    const auto device_at = [&](uint32_t offset) {
+      const uint32_t row = offset / ps.row_bytes;
+      return device + row * ps.device_row_stride + (offset - row * ps.row_bytes);
+    };
     Vec values[kUnroll];
 #pragma unroll
     for (uint32_t k = 0; k < kUnroll; ++k) {
       const uint32_t offset = base + k * kWarpLanes * kVec;
-      if (offset < bytes) {
-        values[k] = *reinterpret_cast<const Vec*>(src + offset);
+      if (offset < ps.bytes) {
+        const uint8_t* src = kToHost ? device_at(offset) : host + offset;
+        values[k] = *reinterpret_cast<const Vec*>(src);
       }
     }
 #pragma unroll
     for (uint32_t k = 0; k < kUnroll; ++k) {
       const uint32_t offset = base + k * kWarpLanes * kVec;
-      if (offset < bytes) {
-        *reinterpret_cast<Vec*>(dst + offset) = values[k];
+      if (offset < ps.bytes) {
+        uint8_t* dst = kToHost ? host + offset : device_at(offset);
+        *reinterpret_cast<Vec*>(dst) = values[k];
       }
     }
   }
@@ -203,7 +230,8 @@ struct PageChunkKernel {
 
   template <typename T, bool kToHost, bool kHostByValue, bool kDeviceByValue, uint32_t kMaxPages>
   static void launch(const ChunkParams<kMaxPages>& params, int64_t max_blocks, DLDevice device) {
-    const uint64_t items = uint64_t{params.shape.units_per_layer} * params.shape.num_layers * params.num_pages;
+    const uint64_t items =
+        uint64_t{params.shape.units_per_head} * params.shape.heads * params.shape.num_layers * params.num_pages;
     if (items == 0) {
       return;
     }
@@ -301,7 +329,9 @@ struct PageChunkKernel {
   // Moves whole pages of the layers in `tables` between host pages and device
   // pages. tables: [layers, 8] uint64 on the GPU (device bases of K payload, K
   // scales, V payload, V scales, then the host bases of the same); refused: 2
-  // pinned int64 words (or none: no reports); part bytes: per page and layer.
+  // pinned int64 words (or none: no reports); parts: [4, 6] int64 on the CPU,
+  // per part (bytes, row_bytes, device page, head and row strides, host head
+  // stride) of its chunks, `heads` of them per part and layer.
   // host_indices / device_indices: whole pages of token indices, on the GPU
   // (int32 or int64, one dtype) or on the CPU (int64).
   static void transfer(
@@ -309,11 +339,9 @@ struct PageChunkKernel {
       const tvm::ffi::TensorView refused,
       const tvm::ffi::TensorView host_indices,
       const tvm::ffi::TensorView device_indices,
+      const tvm::ffi::TensorView parts,
+      const int64_t heads,
       const int64_t host_stride,
-      const int64_t k_payload_bytes,
-      const int64_t k_scale_bytes,
-      const int64_t v_payload_bytes,
-      const int64_t v_scale_bytes,
       const int64_t page_size,
       const bool to_host,
       const int64_t max_blocks) {
@@ -326,23 +354,43 @@ struct PageChunkKernel {
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(host_indices);
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(device_indices);
     TensorMatcher({R}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(refused);
+    TensorMatcher({kParts, kPartFields}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(parts);
     RuntimeCheck(R.unwrap() == 2 || R.unwrap() == 0, what, ": `refused` holds two words (none: no reports)");
-    RuntimeCheck(page_size > 0 && max_blocks > 0, what, ": page_size and max_blocks must be positive");
+    RuntimeCheck(page_size > 0 && max_blocks > 0 && heads > 0, what, ": page_size, heads and max_blocks must be positive");
     RuntimeCheck(N.unwrap() % page_size == 0, what, ": ", N.unwrap(), " token indices are not whole pages of ", page_size);
-    const int64_t bytes[kParts] = {k_payload_bytes, k_scale_bytes, v_payload_bytes, v_scale_bytes};
     ChunkShape shape{
         .tables = static_cast<const uint64_t*>(tables.data_ptr()),
         .refused = refused.numel() == 0 ? nullptr : static_cast<int64_t*>(refused.data_ptr()),
         .host_stride = host_stride,
+        .heads = static_cast<uint32_t>(heads),
         .num_layers = static_cast<uint32_t>(L.unwrap()),
         .page_size = static_cast<uint32_t>(page_size),
     };
-    shape.units_per_layer = 0;
+    shape.units_per_head = 0;
+    const auto* fields = static_cast<const int64_t*>(parts.data_ptr());
     for (uint32_t c = 0; c < kParts; ++c) {
-      RuntimeCheck(bytes[c] > 0 && bytes[c] % kVec == 0, what, ": part ", c, " of ", bytes[c], " B is not whole vectors");
-      shape.part_bytes[c] = static_cast<uint32_t>(bytes[c]);
-      shape.part_units[c] = static_cast<uint32_t>(div_ceil(bytes[c], int64_t{kUnitBytes}));
-      shape.units_per_layer += shape.part_units[c];
+      const int64_t* f = fields + c * kPartFields;
+      const int64_t bytes = f[0], row_bytes = f[1];
+      RuntimeCheck(
+          bytes > 0 && row_bytes > 0 && bytes % row_bytes == 0 && row_bytes % kVec == 0 && bytes < (int64_t{1} << 31),
+          what,
+          ": part ",
+          c,
+          " is not whole rows of whole vectors (",
+          bytes,
+          " B in rows of ",
+          row_bytes,
+          " B)");
+      shape.parts[c] = PartShape{
+          .device_page_stride = f[2],
+          .device_head_stride = f[3],
+          .device_row_stride = f[4],
+          .host_head_stride = f[5],
+          .bytes = static_cast<uint32_t>(bytes),
+          .row_bytes = static_cast<uint32_t>(row_bytes),
+          .units = static_cast<uint32_t>(div_ceil(bytes, int64_t{kUnitBytes})),
+      };
+      shape.units_per_head += shape.parts[c].units;
     }
     const int64_t num_pages = N.unwrap() / page_size;
     const bool int32_gpu_indices = device_indices.dtype().bits == 32 || host_indices.dtype().bits == 32;
