@@ -31,6 +31,7 @@ Setups (:class:`Setup`), each with host pools of its own:
 - ``layer_first``: ``--hicache-mem-layout layer_first``;
 - ``direct``: ``--hicache-io-backend direct`` (layout ``page_first_direct``):
   every index on the CPU, as SGLang's controller hands them for it;
+- ``page_head``: the heads-major page (``--hicache-mem-layout page_head``);
 - ``fp4_mx_block16``, ``nvfp4``: ``page_first`` over that FP4 KV cache (SGLang's
   own classes refuse it).
 
@@ -107,7 +108,14 @@ GOALS = (
     Goal("sglang", 1.0, layer0=True),
 )
 """What ``bench --check`` holds every cell to (docs/benchmarks.md)."""
-SETUPS = ("page_first", "draft", "layer_first", "direct", *FP4_FORMAT_NAMES)
+SETUPS = (
+    "page_first",
+    "draft",
+    "layer_first",
+    "direct",
+    "page_head",
+    *FP4_FORMAT_NAMES,
+)
 DEFAULT_DRAFTS = 1
 """Draft layers of the ``draft`` setup: one, as DeepSeek-V3's MTP module."""
 REFUSED = "refused"
@@ -133,6 +141,7 @@ def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
         "draft": Setup("draft", drafts=drafts),
         "layer_first": Setup("layer_first", layout="layer_first"),
         "direct": Setup("direct", layout="page_first_direct", io_backend="direct"),
+        "page_head": Setup("page_head", layout="page_head"),
         **{name: Setup(name, kv_cache_dtype=name) for name in FP4_FORMAT_NAMES},
     }
     unknown = [name for name in names if name not in known]
