@@ -335,37 +335,6 @@ class EmulatedKernels:
                             )
                             kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
 
-            @staticmethod
-            def copy_engine(
-                bases,
-                host_indices,
-                device_indices,
-                parts,
-                host_stride,
-                page_size,
-                to_host,
-                device_id,
-            ) -> None:
-                what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                assert bases.dtype == torch.uint64 and bases.device.type == "cpu"
-                assert tuple(parts.shape) == (4, 6)
-                if device_indices.numel() % page_size:
-                    raise RuntimeError(f"{what}: token indices are not whole pages")
-                shapes = parts.tolist()
-                if any(shape[0] != shape[1] for shape in shapes):
-                    raise RuntimeError(f"{what}: copies move runs, not rows")
-                host_pages = pages_of(host_indices, page_size, what)
-                device_pages = pages_of(device_indices, page_size, what)
-                kernels.calls.append(("copy_engine", len(device_pages)))
-                for layer in bases.tolist():
-                    for part, (size, *_) in enumerate(shapes):
-                        device = ([layer[part]], device_pages * size)
-                        host = ([layer[4 + part]], host_pages * host_stride)
-                        (src, src_off), (dst, dst_off) = (
-                            (device, host) if to_host else (host, device)
-                        )
-                        kernels._copy_rows(src, dst, src_off, dst_off, size)
-
         return Module()
 
     def _jit_hicache_module(self, *, element_size, unroll, block_quota):

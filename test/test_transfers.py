@@ -697,14 +697,3 @@ def test_page_head_groups_are_pages_of_fewer_heads(make_pools, device, kv_cache_
     assert not torch.equal(
         raw4[ptrs4[0] - base4 :][: sizes2[0]], raw2[ptrs2[0] - base2 :][: sizes2[0]]
     )
-
-
-@pytest.mark.parametrize("pages", [1, 5, 130])
-def test_round_trip_copy_engine(make_pools, pages):
-    """--hicache-io-backend direct with the copy-engine variant: every index on
-    the CPU, one copy per (page, layer, part), byte-exact."""
-    device_pool, host = make_pools(
-        heads=4, head_dim=128, layers=3, pages=pages, host_cls=ABLATIONS["copy_engine"]
-    )
-    result = round_trip(device_pool, host, pages=pages, seed=7, io_backend="direct")
-    assert_exact(result)

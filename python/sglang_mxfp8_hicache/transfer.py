@@ -49,10 +49,6 @@ BLOCK_SIZE = 1024
 UNROLL = 4
 MAX_BLOCKS = 8
 """Thread blocks of 1024 one launch of ours may take (``docs/benchmarks.md``)."""
-COPY_ENGINE_FROM_PAGES: int | None = None
-"""Transfers of at least this many pages with every index on the CPU
-(``--hicache-io-backend direct``) go to the copy engines, one copy per
-(page, layer, part); None: never (``docs/benchmarks.md``)."""
 VECTOR_BYTES = (16, 8, 4, 2, 1)
 FALLBACK_MAX_ELEMENT = 32 * 1024
 """Largest element SGLang's JIT kernels move (its TMA kernel's row limit)."""
@@ -155,10 +151,6 @@ def page_chunks_module(vector: int) -> Module:
         cuda_files=[str(SOURCE)],
         cuda_wrappers=[
             ("transfer", f"&sglang_mxfp8_hicache::PageChunkKernel<{args}>::transfer"),
-            (
-                "copy_engine",
-                f"&sglang_mxfp8_hicache::PageChunkKernel<{args}>::copy_engine",
-            ),
         ],
     )
 
@@ -174,7 +166,6 @@ class PageChunkKernel:
         *,
         max_blocks: int = MAX_BLOCKS,
         check_gpu_indices: bool = True,
-        copy_engine_from: int | None = COPY_ENGINE_FROM_PAGES,
     ) -> None:
         self._tables = tables
         addresses = [base for layer in tables.bases for base in layer]
@@ -184,11 +175,6 @@ class PageChunkKernel:
         )
         self._all = torch.tensor(tables.bases, dtype=torch.uint64, device=tables.device)
         self._parts = torch.tensor(fields, dtype=torch.int64).view(len(PARTS), -1)
-        # The copy engine needs every index on the CPU and one run per chunk.
-        runs = tables.heads == 1
-        self._copy_engine_from = copy_engine_from if runs else None
-        self._bases_cpu = self._all.cpu()
-        self._device_id = torch.device(tables.device).index or 0
         self._max_blocks = max_blocks
         # Pinned, so the kernel can write it and the CPU read it without a copy.
         words = 2 if check_gpu_indices else 0
@@ -201,27 +187,6 @@ class PageChunkKernel:
 
     def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         tables = self._tables
-        if (
-            self._copy_engine_from is not None
-            and host_indices.device.type == "cpu"
-            and device_indices.device.type == "cpu"
-            and device_indices.numel() >= self._copy_engine_from * tables.page_size
-        ):
-            # The same layers as ``prepared``: its rows of the base table.
-            first = (prepared.data_ptr() - self._all.data_ptr()) // (
-                self._all.stride(0) * self._all.element_size()
-            )
-            self._module.copy_engine(
-                self._bases_cpu[first : first + prepared.shape[0]],
-                host_indices,
-                device_indices,
-                self._parts,
-                tables.host_stride,
-                tables.page_size,
-                to_host,
-                self._device_id,
-            )
-            return
         self._module.transfer(
             prepared,
             self._refused,

@@ -32,7 +32,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace sglang_mxfp8_hicache {
 
@@ -402,117 +401,6 @@ struct PageChunkKernel {
       int32_gpu_indices ? dispatch<int32_t, false>(shape, host_indices, device_indices, num_pages, max_blocks, tables.device(), what)
                         : dispatch<int64_t, false>(shape, host_indices, device_indices, num_pages, max_blocks, tables.device(), what);
     }
-  }
-
-  // The copy-engine variant, for transfers whose indices are all on the CPU
-  // (--hicache-io-backend direct): one cudaMemcpy per (page, layer, part), all
-  // submitted in one cudaMemcpyBatchAsync where the driver has it (CUDA 12.8+),
-  // else one cudaMemcpyAsync each. Layer-major pages only (one row per chunk).
-  // bases: [layers, 8] on the CPU, as `transfer`'s tables; device_id: the GPU
-  // whose current stream carries the copies.
-  static void copy_engine(
-      const tvm::ffi::TensorView bases,
-      const tvm::ffi::TensorView host_indices,
-      const tvm::ffi::TensorView device_indices,
-      const tvm::ffi::TensorView parts,
-      const int64_t host_stride,
-      const int64_t page_size,
-      const bool to_host,
-      const int64_t device_id) {
-    using namespace host;
-    const char* what = to_host ? "block-scaled HiCache backup" : "block-scaled HiCache load";
-    auto L = SymbolicSize{"num_layers"};
-    auto N = SymbolicSize{"indices length"};
-    TensorMatcher({L, kTableWidth}).with_dtype<uint64_t>().with_device<kDLCPU>().verify(bases);
-    TensorMatcher({N}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(host_indices);
-    TensorMatcher({N}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(device_indices);
-    TensorMatcher({kParts, kPartFields}).with_dtype<int64_t>().with_device<kDLCPU>().verify(parts);
-    RuntimeCheck(page_size > 0 && N.unwrap() % page_size == 0, what, ": token indices are not whole pages");
-    const auto* fields = static_cast<const int64_t*>(parts.data_ptr());
-    for (uint32_t c = 0; c < kParts; ++c) {
-      RuntimeCheck(fields[c * kPartFields] == fields[c * kPartFields + 1], what, ": copies move runs, not rows");
-    }
-    const int64_t num_pages = N.unwrap() / page_size;
-    std::vector<int64_t> host_pages(num_pages), device_pages(num_pages);
-    cpu_pages(host_indices, 0, num_pages, page_size, host_pages.data(), what);
-    cpu_pages(device_indices, 0, num_pages, page_size, device_pages.data(), what);
-    const auto* table = static_cast<const uint64_t*>(bases.data_ptr());
-    const auto stream = static_cast<cudaStream_t>(TVMFFIEnvGetStream(kDLCUDA, static_cast<int32_t>(device_id)));
-    std::vector<const void*> srcs;
-    std::vector<void*> dsts;
-    std::vector<size_t> sizes;
-    for (int64_t p = 0; p < num_pages; ++p) {
-      for (int64_t layer = 0; layer < L.unwrap(); ++layer) {
-        for (uint32_t c = 0; c < kParts; ++c) {
-          const int64_t bytes = fields[c * kPartFields];
-          auto* device = reinterpret_cast<uint8_t*>(table[layer * kTableWidth + c]) + device_pages[p] * bytes;
-          auto* host = reinterpret_cast<uint8_t*>(table[layer * kTableWidth + kParts + c]) + host_pages[p] * host_stride;
-          srcs.push_back(to_host ? device : host);
-          dsts.push_back(to_host ? host : device);
-          sizes.push_back(static_cast<size_t>(bytes));
-        }
-      }
-    }
-    if (!copy_batch(dsts, srcs, sizes, to_host, static_cast<int>(device_id), stream)) {
-      const auto kind = to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
-      for (size_t i = 0; i < sizes.size(); ++i) {
-        RuntimeDeviceCheck(cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], kind, stream));
-      }
-    }
-  }
-
-  // cudaMemcpyBatchAsync where the runtime and driver have it; false otherwise.
-  static bool copy_batch(
-      std::vector<void*>& dsts,
-      std::vector<const void*>& srcs,
-      std::vector<size_t>& sizes,
-      bool to_host,
-      int device_id,
-      cudaStream_t stream) {
-#if defined(USE_ROCM) || !defined(CUDA_VERSION) || (CUDA_VERSION < 12080)
-    return false;
-#else
-    int driver = 0;
-    if (sizes.empty() || cudaDriverGetVersion(&driver) != cudaSuccess || driver < 12080) {
-      return false;
-    }
-    cudaMemcpyAttributes attrs{};
-    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attrs.srcLocHint.type = to_host ? cudaMemLocationTypeDevice : cudaMemLocationTypeHost;
-    attrs.srcLocHint.id = to_host ? device_id : 0;
-    attrs.dstLocHint.type = to_host ? cudaMemLocationTypeHost : cudaMemLocationTypeDevice;
-    attrs.dstLocHint.id = to_host ? 0 : device_id;
-    size_t attrs_index = 0;
-#if CUDA_VERSION >= 13000
-    const cudaError_t err = cudaMemcpyBatchAsync(
-        const_cast<const void**>(reinterpret_cast<void**>(dsts.data())),
-        srcs.data(),
-        sizes.data(),
-        sizes.size(),
-        &attrs,
-        &attrs_index,
-        1,
-        stream);
-#else
-    size_t fail_index = 0;
-    const cudaError_t err = cudaMemcpyBatchAsync(
-        dsts.data(),
-        const_cast<void**>(srcs.data()),
-        sizes.data(),
-        sizes.size(),
-        &attrs,
-        &attrs_index,
-        1,
-        &fail_index,
-        stream);
-#endif
-    if (err == cudaErrorNotSupported || err == cudaErrorCallRequiresNewerDriver || err == cudaErrorInvalidValue) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    host::RuntimeCheck(err == cudaSuccess, "cudaMemcpyBatchAsync failed: ", cudaGetErrorString(err));
-    return true;
-#endif
   }
 };
 

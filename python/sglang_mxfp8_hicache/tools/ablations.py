@@ -34,14 +34,6 @@ class TwoBlocksHost(MHATokenToKVPoolMXFP8Host):
         return functools.partial(transfer.PageChunkKernel, max_blocks=2)
 
 
-class CopyEngineHost(MHATokenToKVPoolMXFP8Host):
-    """Transfers whose indices are all on the CPU (``--hicache-io-backend
-    direct``) as one copy-engine copy per (page, layer, part), batched."""
-
-    def _choose_mover(self, page, pool_label):
-        return functools.partial(transfer.PageChunkKernel, copy_engine_from=1)
-
-
 class LoadAtLayerZeroHost(MHATokenToKVPoolMXFP8Host):
     """Every layer with layer 0: one launch per load."""
 
@@ -60,7 +52,6 @@ ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "fallback": FallbackKernelHost,
     "unchecked": UncheckedIndicesHost,
     "blocks2": TwoBlocksHost,
-    "copy_engine": CopyEngineHost,
     "load_at_layer0": LoadAtLayerZeroHost,
     "load_each_layer": LoadEachLayerHost,
 }

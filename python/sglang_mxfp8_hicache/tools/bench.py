@@ -365,21 +365,23 @@ def pages_that_fit(
 
 def _drop_classes_that_cannot_move(device_pool, hosts: dict, setup: Setup) -> None:
     """SGLang's classes move some setups only through sgl_kernel's compiled ops
-    (``--hicache-io-backend direct``), which may be missing: one page each
-    way tells, and such a class is refused for the setup like one that raised
-    when built. Ours failing is a failed run."""
-    if setup.io_backend != "direct":
-        return
+    (``--hicache-io-backend direct``, ``page_head``), which may be missing:
+    one page each way, indices placed as SGLang's controller places them,
+    tells; such a class is refused for the setup like one that raised when
+    built. Ours failing is a failed run."""
+    direct = setup.io_backend == "direct"
+    device = "cpu" if direct else device_pool.device
     tokens = page_token_indices(torch.tensor([1]))
     for name, host in hosts.items():
         if host is None or isinstance(host, MHATokenToKVPoolMXFP8Host):
             continue
+        backup_hosts = tokens if direct else backup_host_indices(host, tokens, device)
         try:
             host.backup_from_device_all_layer(
-                device_pool, tokens, tokens, setup.io_backend
+                device_pool, backup_hosts, tokens.to(device), setup.io_backend
             )
             host.load_to_device_per_layer(
-                device_pool, tokens, tokens, 0, setup.io_backend
+                device_pool, tokens.to(device), tokens.to(device), 0, setup.io_backend
             )
         except (NotImplementedError, RuntimeError, ValueError):
             host.destroy()
