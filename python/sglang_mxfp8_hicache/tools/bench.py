@@ -583,3 +583,60 @@ def to_json(rows: list[Row]) -> str:
         },
         indent=1,
     )
+
+
+def plot(json_paths: Sequence[str], out: str) -> None:
+    """Ours over payload-only and over a raw copy against pages, one panel per
+    direction, a line per (setup, geometry), from ``--json-out`` files; the
+    byte ratio (what the scales add) drawn in. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for path in json_paths for row in json.loads(open(path).read())["rows"]]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+    colors = plt.cm.tab20.colors
+    for col, direction in enumerate(("backup", "load")):
+        for row_index, to in enumerate(("payload", "raw")):
+            ax = axes[row_index][col]
+            lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
+            for r in rows:
+                ms = r["ms"]
+                if r["direction"] != direction or not ms.get("ours") or not ms.get(to):
+                    continue
+                key = (r["setup"], f"{r['heads']}x{r['head_dim']}x{r['layers']}")
+                lines.setdefault(key, []).append((r["pages"], ms["ours"] / ms[to]))
+            for n, ((setup, geometry), points) in enumerate(sorted(lines.items())):
+                points.sort()
+                ax.plot(
+                    *zip(*points, strict=True),
+                    marker="o",
+                    color=colors[n % len(colors)],
+                    label=f"{setup} {geometry}",
+                )
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            if to == "payload":
+                # What the scales add to the payload's bytes.
+                for ratio, name in ((1.03125, "MXFP8"), (1.125, "FP4")):
+                    ax.axhline(ratio, color="grey", linestyle="--", linewidth=0.8)
+                    ax.text(1, ratio + 0.004, f"{name} bytes / payload", fontsize=7)
+            else:
+                ax.axhline(1.05, color="red", linestyle=":", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{direction}: ours / {to}")
+            ax.set_xlabel("pages")
+            ax.grid(alpha=0.3)
+    axes[0][1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) < 4 or sys.argv[1] != "--plot":
+        sys.exit(
+            "usage: python -m sglang_mxfp8_hicache.tools.bench --plot OUT.png JSON..."
+        )
+    plot(sys.argv[3:], sys.argv[2])
