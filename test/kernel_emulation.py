@@ -173,20 +173,17 @@ class EmulatedKernels:
             assert kv_cache_dst_stride_bytes == kv_cache_src_stride_bytes
             element_size = kv_cache_dst_stride_bytes
         self.calls.append(("all_layer", element_size))
-        assert self.can_use_hicache_jit_kernel(element_size=element_size)
-        tables = (k_ptr_dst, v_ptr_dst, k_ptr_src, v_ptr_src)
-        assert all(t.dtype == torch.uint64 and t.dim() == 1 for t in tables)
-        assert len({t.numel() for t in tables}) == 1, "pointer tables differ in layers"
-        assert indices_src.dtype in (torch.int32, torch.int64)
-        assert indices_dst.dtype in (torch.int32, torch.int64)
-        assert indices_src.numel() == indices_dst.numel()
+        assert k_ptr_dst.numel() == v_ptr_dst.numel(), "pointer tables differ in layers"
+        # K and V: each the one-table copy of the MLA variant.
         for src_table, dst_table in ((k_ptr_src, k_ptr_dst), (v_ptr_src, v_ptr_dst)):
-            self._copy_rows(
-                src_table.tolist(),
-                dst_table.tolist(),
-                indices_src.long() * kv_cache_src_stride_bytes,
-                indices_dst.long() * kv_cache_dst_stride_bytes,
-                element_size,
+            self._all_layer_copy(
+                dst_table,
+                indices_dst,
+                src_table,
+                indices_src,
+                src_stride=kv_cache_src_stride_bytes,
+                dst_stride=kv_cache_dst_stride_bytes,
+                element_size=element_size,
             )
 
     def _copy_rows(self, src_bases, dst_bases, src_offsets, dst_offsets, row_bytes):
@@ -218,20 +215,44 @@ class EmulatedKernels:
             element_size = cache_dst_stride_bytes
         self.calls.append(("all_layer_mla", element_size))
         assert element_size <= transfer.FALLBACK_MAX_ELEMENT
+        self._all_layer_copy(
+            ptr_dst,
+            indices_dst,
+            ptr_src,
+            indices_src,
+            src_stride=cache_src_stride_bytes,
+            dst_stride=cache_dst_stride_bytes,
+            element_size=element_size,
+        )
+
+    def _all_layer_copy(
+        self,
+        ptr_dst,
+        indices_dst,
+        ptr_src,
+        indices_src,
+        *,
+        src_stride,
+        dst_stride,
+        element_size,
+    ) -> None:
+        """One pointer table of ``hicache.cuh``'s all-layer copy: for every
+        layer and ``i``, ``element_size`` bytes from ``ptr_src[l] +
+        indices_src[i] * src_stride`` to ``ptr_dst[l] + indices_dst[i] *
+        dst_stride``."""
         assert self.can_use_hicache_jit_kernel(element_size=element_size)
         for table in (ptr_dst, ptr_src):
             assert table.dtype == torch.uint64 and table.dim() == 1
         assert ptr_dst.numel() == ptr_src.numel(), "pointer tables differ in layers"
         for indices in (indices_dst, indices_src):
-            assert indices.dim() == 1 and indices.is_contiguous()
-        assert indices_dst.dtype == indices_src.dtype
-        assert indices_src.dtype in (torch.int32, torch.int64)
+            assert indices.dim() == 1
+            assert indices.dtype in (torch.int32, torch.int64)
         assert indices_src.numel() == indices_dst.numel()
         self._copy_rows(
             ptr_src.tolist(),
             ptr_dst.tolist(),
-            indices_src.long() * cache_src_stride_bytes,
-            indices_dst.long() * cache_dst_stride_bytes,
+            indices_src.long() * src_stride,
+            indices_dst.long() * dst_stride,
             element_size,
         )
 

@@ -469,49 +469,74 @@ def test_mover_moves_exactly_its_pages(
     backup_hosts = page_token_indices(host_pages)
     if host_indices_on == "gpu":
         backup_hosts = backup_hosts.to(device, index_dtype)
-    device_before, host_before = (
-        _device_runs(device_pool, layers),
-        _host_runs(host, layers),
-    )
-    host._mover.move(
-        host._backup_prepared,
+    moved = _move_and_compare(
+        device_pool,
+        host,
+        layers,
         backup_hosts,
         page_token_indices(device_pages).to(device, index_dtype),
         to_host=True,
     )
-    if device == "cuda":
-        torch.cuda.synchronize()
-    for part, (dev_now, host_now) in enumerate(
-        zip(_device_runs(device_pool, layers), _host_runs(host, layers), strict=True)
-    ):
-        expected = host_before[part].clone()
-        expected[:, host_pages] = device_before[part][:, device_pages]
-        assert torch.equal(host_now, expected), f"part {part}"
-        assert torch.equal(dev_now, device_before[part])
-
+    assert moved(host_pages, device_pages)
     fill_random(
         device_buffers(device_pool), torch.Generator(device=device).manual_seed(3)
     )
-    device_before, host_before = (
-        _device_runs(device_pool, layers),
-        _host_runs(host, layers),
-    )
     load_pages = torch.tensor([2, 5, 1])
-    host._mover.move(
-        host._backup_prepared,
+    moved = _move_and_compare(
+        device_pool,
+        host,
+        layers,
         page_token_indices(host_pages).to(device, index_dtype),
         page_token_indices(load_pages).to(device, index_dtype),
         to_host=False,
     )
-    if device == "cuda":
+    assert moved(host_pages, load_pages)
+
+
+def _move_and_compare(
+    device_pool, host, layers, host_indices, device_indices, *, to_host
+):
+    """Moves every layer of the pages named with the host's mover; returns a
+    check that exactly (host page, device page) pairs moved, in that direction,
+    and that every other byte on both sides stayed."""
+    device_before = _device_runs(device_pool, layers)
+    host_before = _host_runs(host, layers)
+    host._mover.move(
+        host._backup_prepared, host_indices, device_indices, to_host=to_host
+    )
+    if device_pool.device != "cpu":
         torch.cuda.synchronize()
-    for part, (dev_now, host_now) in enumerate(
-        zip(_device_runs(device_pool, layers), _host_runs(host, layers), strict=True)
-    ):
-        expected = device_before[part].clone()
-        expected[:, load_pages] = host_before[part][:, host_pages]
-        assert torch.equal(dev_now, expected), f"part {part}"
-        assert torch.equal(host_now, host_before[part])
+    device_after = _device_runs(device_pool, layers)
+    host_after = _host_runs(host, layers)
+
+    def moved(host_pages: torch.Tensor, device_pages: torch.Tensor) -> bool:
+        for part in range(len(device_before)):
+            dst_before, src, dst_after, src_after, dst_pages, src_pages = (
+                (
+                    host_before[part],
+                    device_before[part],
+                    host_after[part],
+                    device_after[part],
+                    host_pages,
+                    device_pages,
+                )
+                if to_host
+                else (
+                    device_before[part],
+                    host_before[part],
+                    device_after[part],
+                    host_after[part],
+                    device_pages,
+                    host_pages,
+                )
+            )
+            expected = dst_before.clone()
+            expected[:, dst_pages] = src[:, src_pages]
+            if not (torch.equal(dst_after, expected) and torch.equal(src_after, src)):
+                return False
+        return True
+
+    return moved
 
 
 def _snapshot(device_pool, host) -> list[torch.Tensor]:
