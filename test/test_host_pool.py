@@ -154,7 +154,8 @@ def test_every_layout_is_the_owned_page(make_pools, layout, caplog):
     ]
     assert len(lines) == 1
     assert f"--hicache-mem-layout {layout}" in lines[0]
-    assert "one owned page" in lines[0]
+    major = "heads-major" if layout == "page_head" else "layer-major"
+    assert f"served by one owned {major} page" in lines[0]
 
 
 def test_refuses_decode_host_receive(

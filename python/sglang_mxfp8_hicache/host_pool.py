@@ -177,7 +177,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "--enable-hierarchical-cache."
             ) from exc
         self._scaled_infos = (buffer_info, *draft_buffer_infos)
-        self.kv_buffer = None
         try:
             # The payload staging SGLang may hand over is for its own page_first
             # kernel; this pool never uses it (the plugin keeps SGLang from
@@ -208,14 +207,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self.storage_format_tag = self.host_page.storage_format_tag()
         scale_bytes = self.size * self.host_page.scale_bytes_per_token
         logger.info(
-            "%s: %s HiCache host pool: --hicache-mem-layout %s, --hicache-io-backend "
-            "%s: every layout and io backend is served by one owned page, %s; "
+            "%s: %s HiCache host pool: --hicache-mem-layout %s and "
+            "--hicache-io-backend %s are served by one owned %s page, %s; "
             "%d tokens, payload %.3f GB + scales %.3f GB, moved as page chunks by "
             "%s; loads in %d layer groups.",
             pool_label,
             fmt.name,
             layout,
             configured_io_backend() or "kernel",
+            "heads-major" if self.host_page.heads_major else "layer-major",
             self.host_page.describe(),
             self.size,
             (self.size * self.size_per_token - scale_bytes) / 1e9,
