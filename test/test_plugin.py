@@ -58,7 +58,7 @@ def test_plugin_dispatch_in_fresh_process(order):
     # One line per chosen class and format per process, not one per call.
     assert log.count(f"HiCache host pool: {OURS}") == 3
     for kv_cache_dtype in ("mxfp8", "fp4_mx_block16", "nvfp4"):
-        assert f"({kv_cache_dtype} device pool, scales mirrored" in log
+        assert f"({kv_cache_dtype} device pool, pages with their scales" in log
     assert log.count(f"HiCache host pool: {SGLANG_PLAIN}") == 1
 
 
