@@ -250,7 +250,8 @@ def test_unflat_page_is_the_k_and_v_parts(make_pools, v_head_dim):
 def test_element_size_through_a_host_pool_group(make_pools):
     """SGLang's HostPoolGroup (what the assemblers build) asks its anchor for the
     element size: SGLang's default, the first size of get_page_buffer_meta, the
-    K part's span. A page cannot be split by heads."""
+    K part's span. Only a heads-major (page_head) page splits by heads: then
+    the element is one head group's K bytes."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
 
@@ -267,8 +268,26 @@ def test_element_size_through_a_host_pool_group(make_pools):
         ]
     )
     assert group.get_page_buffer_element_size() == host.host_page.k_part.span_bytes
-    with pytest.raises(NotImplementedError, match="cannot be split by heads"):
+    with pytest.raises(
+        NotImplementedError, match="only with --hicache-mem-layout page_head"
+    ):
         group.get_page_buffer_element_size(2)
+    device_pool, heads_major = make_pools(
+        heads=2, head_dim=128, layers=2, pages=2, layout="page_head"
+    )
+    group = HostPoolGroup(
+        [
+            PoolEntry(
+                PoolName.KV,
+                heads_major,
+                device_pool,
+                lambda i: i,
+                is_primary_index_anchor=True,
+            )
+        ]
+    )
+    k_head, _ = heads_major.host_page.head_span_bytes()
+    assert group.get_page_buffer_element_size(2) == k_head
 
 
 @on_cpu
