@@ -52,7 +52,6 @@ MAX_BLOCKS = 8
 VECTOR_BYTES = (16, 8, 4, 2, 1)
 FALLBACK_MAX_ELEMENT = 32 * 1024
 """Largest element SGLang's JIT kernels move (its TMA kernel's row limit)."""
-TABLE_WIDTH = 2 * len(PARTS)
 
 
 class PageIndexError(RuntimeError):
@@ -86,10 +85,6 @@ class PageChunkTables:
     def run_bytes(self) -> tuple[int, ...]:
         """Bytes of each part of one page and layer (all heads)."""
         return tuple(part.bytes * self.heads for part in self.parts)
-
-    @property
-    def layer_num(self) -> int:
-        return len(self.bases)
 
 
 def check_transfer_pages(
