@@ -719,3 +719,54 @@ def test_bad_page_is_a_miss_mooncake_backend_error(make_pools, storage_hooks, mo
         os.waitpid(node, 0)
         assert stored.fetch() == 0
         stored.check(0)
+
+
+@on_cpu
+def test_page_head_head_groups_shared_across_tp_sizes(
+    make_pools, storage_hooks, mooncake
+):
+    """page_head with a TP-LCM above the rank's TP size: a 4-head rank (TP 1 of
+    LCM 2) stores each page as two head-group objects (mooncake's split heads),
+    and the two 2-head ranks of TP 2 each load theirs as a whole page, byte for
+    byte its half of the 4-head page."""
+    common = dict(head_dim=128, layers=2, pages=3, layout="page_head")
+    _, wide = make_pools(heads=4, **common)
+    narrow = [make_pools(heads=2, **common)[1] for _ in range(2)]
+    model = f"model-{uuid.uuid4().hex[:8]}"
+    extra = mooncake.extra_config()
+    writer = StoragePageIO.open(
+        "mooncake", wide, model_name=model, extra_config=extra, tp_lcm_size=2
+    )
+    readers = [
+        StoragePageIO.open(
+            "mooncake",
+            pool,
+            model_name=model,
+            extra_config=extra,
+            tp_rank=rank,
+            tp_size=2,
+            tp_lcm_size=2,
+        )
+        for rank, pool in enumerate(narrow)
+    ]
+    try:
+        assert writer.storage_backend.should_split_heads
+        fill_host(wide, 21)
+        src, dst = torch.tensor([2, 0]), torch.tensor([1, 3])
+        tokens = torch.randint(0, 1 << 20, (2 * PAGE_SIZE,)).tolist()
+        hashes = page_hashes(tokens, PAGE_SIZE)
+        assert writer.backup(hashes, page_token_indices(src))
+        k_head, v_head = wide.host_page.head_span_bytes()
+        k_part = wide.host_page.k_part.span_bytes
+        for rank, (reader, pool) in enumerate(zip(readers, narrow, strict=True)):
+            fill_host(pool, 30 + rank)
+            assert reader.hit_query(tokens) == hashes
+            assert reader.fetch(hashes, page_token_indices(dst)) == 2
+            got = host_page_rows(pool)[dst]
+            spans = host_page_rows(wide)[src]
+            k_group = spans[:, rank * 2 * k_head :][:, : 2 * k_head]
+            v_group = spans[:, k_part + rank * 2 * v_head :][:, : 2 * v_head]
+            assert torch.equal(got, torch.cat([k_group, v_group], dim=1)), rank
+    finally:
+        for io in (writer, *readers):
+            io.close()

@@ -84,7 +84,9 @@ def claims(buffer_info: MHABufferInfo) -> str | None:
     """
     fmt = buffer_scale_format(buffer_info)
     if fmt is not None:
-        return f"{fmt.name} device pool, pages with their scales by sglang-mxfp8-hicache"
+        return (
+            f"{fmt.name} device pool, pages with their scales by sglang-mxfp8-hicache"
+        )
     if is_packed_fp4(buffer_info):
         return (
             "FP4 device pool without per-token scales, refused by sglang-mxfp8-hicache"

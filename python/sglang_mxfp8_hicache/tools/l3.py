@@ -50,14 +50,20 @@ class StoragePageIO:
         *,
         model_name: str = "model",
         extra_config: dict | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_lcm_size: int | None = None,
     ) -> StoragePageIO:
+        """A backend for ``host_pool`` configured as the controller configures
+        it; ``tp_lcm_size`` above ``tp_size`` with ``page_head`` splits pages by
+        heads, as the controller's storage config does."""
         from sglang.srt.managers.cache_controller import storage_model_name
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage import StorageBackendFactory
 
         config = HiCacheStorageConfig(
-            tp_rank=0,
-            tp_size=1,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
             pp_rank=0,
             pp_size=1,
             attn_cp_rank=0,
@@ -66,6 +72,9 @@ class StoragePageIO:
             enable_storage_metrics=False,
             is_page_first_layout=host_pool.layout.startswith("page_first"),
             model_name=storage_model_name(model_name, host_pool),
+            tp_lcm_size=tp_lcm_size,
+            should_split_heads=host_pool.layout == "page_head"
+            and (tp_lcm_size or tp_size) > tp_size,
             extra_config=dict(extra_config or {}),
         )
         backend = StorageBackendFactory.create_backend(backend_name, config, host_pool)
