@@ -770,3 +770,34 @@ def test_page_head_head_groups_shared_across_tp_sizes(
     finally:
         for io in (writer, *readers):
             io.close()
+
+
+@on_cpu
+def test_page_head_page_of_another_head_count_is_a_miss(
+    make_pools, storage_hooks, mooncake
+):
+    """Heads-major tags name no head count, so a 4-head rank's whole page and a
+    2-head rank share a Mooncake key (both rank 0, no split): the objects have
+    another size, so it is a miss, and the 2-head host pages keep their bytes."""
+    common = dict(head_dim=128, layers=2, pages=2, layout="page_head")
+    _, wide = make_pools(heads=4, **common)
+    _, narrow = make_pools(heads=2, **common)
+    model = f"model-{uuid.uuid4().hex[:8]}"
+    extra = mooncake.extra_config()
+    writer = StoragePageIO.open("mooncake", wide, model_name=model, extra_config=extra)
+    reader = StoragePageIO.open(
+        "mooncake", narrow, model_name=model, extra_config=extra, tp_size=2
+    )
+    try:
+        assert wide.storage_format_tag == narrow.storage_format_tag
+        fill_host(wide, 41)
+        tokens = torch.randint(0, 1 << 20, (PAGE_SIZE,)).tolist()
+        hashes = page_hashes(tokens, PAGE_SIZE)
+        assert writer.backup(hashes, page_token_indices(torch.tensor([1])))
+        fill_host(narrow, 42)
+        before = host_pages(narrow, torch.arange(narrow.page_num))
+        assert reader.fetch(hashes, page_token_indices(torch.tensor([0]))) == 0
+        assert torch.equal(host_pages(narrow, torch.arange(narrow.page_num)), before)
+    finally:
+        for io in (writer, reader):
+            io.close()
