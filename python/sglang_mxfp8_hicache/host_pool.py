@@ -570,16 +570,23 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         span.view(torch.uint8).copy_(data)
 
-    def get_page_buffer_meta(self, indices):
-        """Per page, the K part's then the V part's host pointer and size."""
+    def _page_addresses(self, indices) -> torch.Tensor:
+        """The host address of each page of ``indices`` (token indices of whole
+        pages, on any device); raises, naming the index, on a page that does
+        not start at a page boundary."""
         starts = indices[:: self.page_size].to(device="cpu", dtype=torch.int64)
         misaligned = starts[starts % self.page_size != 0]
         if len(misaligned):
-            self._page_of(int(misaligned[0]))  # raises, naming the index
+            self._page_of(int(misaligned[0]))
+        span = self.host_page.span_bytes
+        return self.kv_buffer.data_ptr() + starts // self.page_size * span
+
+    def get_page_buffer_meta(self, indices):
+        """Per page, the K part's then the V part's host pointer and size."""
         page = self.host_page
-        k_ptr = self.kv_buffer.data_ptr() + starts // self.page_size * page.span_bytes
+        k_ptr = self._page_addresses(indices)
         pointers = torch.stack([k_ptr, k_ptr + page.k_part.span_bytes], dim=1)
-        sizes = [page.k_part.span_bytes, page.v_part.span_bytes] * len(starts)
+        sizes = [page.k_part.span_bytes, page.v_part.span_bytes] * len(k_ptr)
         return pointers.view(-1).tolist(), sizes
 
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
@@ -605,16 +612,12 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 f"{split_factor} head groups only with --hicache-mem-layout "
                 f"{HEADS_MAJOR_LAYOUT} and a head count ({heads}) the split divides"
             )
-        starts = indices[:: self.page_size].to(device="cpu", dtype=torch.int64)
-        misaligned = starts[starts % self.page_size != 0]
-        if len(misaligned):
-            self._page_of(int(misaligned[0]))  # raises, naming the index
         group = heads // split_factor
         k_head, v_head = page.head_span_bytes()
-        base = self.kv_buffer.data_ptr() + starts // self.page_size * page.span_bytes
+        base = self._page_addresses(indices)
         offsets = torch.arange(split_factor) * group
         k = base[:, None] + offsets * k_head
         v = base[:, None] + page.k_part.span_bytes + offsets * v_head
         pointers = torch.stack([k, v], dim=2).reshape(-1).tolist()
-        sizes = [group * k_head, group * v_head] * (split_factor * len(starts))
+        sizes = [group * k_head, group * v_head] * (split_factor * len(base))
         return pointers, sizes
