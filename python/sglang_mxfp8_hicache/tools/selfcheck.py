@@ -303,11 +303,10 @@ def round_trip(
     is_scale = [
         n >= 2 * pool.layer_num for pool in pools for n in range(4 * pool.layer_num)
     ]
-    host_tensors = [host_pool.kv_buffer]
 
     gen = torch.Generator(device=device).manual_seed(seed)
     fill_random(device_tensors, gen)
-    fill_random(host_tensors, torch.Generator().manual_seed(seed + 1))
+    fill_random([host_pool.kv_buffer], torch.Generator().manual_seed(seed + 1))
 
     perm = torch.randperm(device_page_num, generator=cpu) + 1
     src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
@@ -319,7 +318,7 @@ def round_trip(
     host_tokens = page_token_indices(host_pages, page_size)
 
     saved = _device_pages(device_pool, device_tensors)
-    host_before = [t.clone() for t in host_tensors]
+    host_before = host_pool.kv_buffer.clone()
 
     synchronize(device)
     start = time.perf_counter()
@@ -332,7 +331,7 @@ def round_trip(
     synchronize(device)
     backup_seconds = time.perf_counter() - start
 
-    host_untouched = _host_untouched(host_pool, host_tensors, host_before, host_pages)
+    host_untouched = _host_untouched(host_pool, host_before, host_pages)
 
     fill_random(device_tensors, gen)
     clobbered = _device_pages(device_pool, device_tensors)
@@ -389,14 +388,12 @@ def round_trip(
 
 
 def _host_untouched(
-    host_pool: MHATokenToKVPoolHost,
-    host_tensors: list[torch.Tensor],
-    before: list[torch.Tensor],
-    host_pages: torch.Tensor,
+    host_pool: MHATokenToKVPoolHost, before: torch.Tensor, host_pages: torch.Tensor
 ) -> bool:
-    """Host pages outside the backup still hold their random bytes."""
+    """Host pages outside the backup still hold their random bytes (``before``:
+    a copy of ``kv_buffer`` taken before it)."""
     untouched = torch.ones(host_pool.page_num, dtype=torch.bool)
     untouched[host_pages] = False
     now = host_page_rows(host_pool)
-    was = host_page_rows(host_pool, before[0])
+    was = host_page_rows(host_pool, before)
     return torch.equal(now[untouched], was[untouched])
