@@ -19,6 +19,7 @@ from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
     MXFP8HiCacheConfigError,
     doubling_layer_groups,
+    load_layer_groups,
 )
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.selfcheck import (
@@ -372,6 +373,37 @@ def test_layer_groups_double():
     groups = doubling_layer_groups(80)
     assert [g.start for g in groups] == [0, 1, 2, 4, 8, 16, 32, 64]
     assert groups[-1] == range(64, 80)
+
+
+def test_layer_groups_carry_a_launch_worth_of_bytes():
+    kib = 1024
+    # Large loads: the doubling groups.
+    assert load_layer_groups(80, 1 << 20, min_group_bytes=1 << 20) == (
+        doubling_layer_groups(80)
+    )
+    # One page of 1x128x8 (33 KiB a layer): layer 0, then the rest at once.
+    assert load_layer_groups(8, 33 * kib, min_group_bytes=1 << 20) == [
+        range(0, 1),
+        range(1, 8),
+    ]
+    # Groups merge until they carry the minimum; a short tail joins the last.
+    assert load_layer_groups(80, 33 * kib, min_group_bytes=512 * kib) == [
+        range(0, 1),
+        range(1, 32),
+        range(32, 64),
+        range(64, 80),
+    ]
+    assert load_layer_groups(80, 20 * kib, min_group_bytes=512 * kib) == [
+        range(0, 1),
+        range(1, 32),
+        range(32, 80),
+    ]
+    assert load_layer_groups(1, 1, min_group_bytes=1 << 20) == [range(0, 1)]
+    for layers in (1, 2, 3, 61, 80):
+        for layer_bytes in (1, 4 * kib, 300 * kib, 1 << 22):
+            groups = load_layer_groups(layers, layer_bytes)
+            assert [i for g in groups for i in g] == list(range(layers))
+            assert groups[0] == range(0, 1)
 
 
 def _device_runs(device_pool, layers) -> torch.Tensor:

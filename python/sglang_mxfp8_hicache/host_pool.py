@@ -10,10 +10,12 @@ heads, any payload row width, and every L3 backend that stores a page's bytes
 as the pool hands them (the flat page is a view of the span).
 
     D2H  every layer in one launch (per 128 pages with CPU indices)
-    H2D  layers in doubling groups (0 | 1 | 2-3 | 4-7 | ...), each group issued
-         with the first of its layers the transfer loads: layer 0 waits for
-         its own bytes only, and a load of L layers costs 1 + ceil(log2 L)
-         launches; a packed draft layer comes with its own is_draft load
+    H2D  layer 0 alone, then doubling groups (1 | 2-3 | 4-7 | ...) merged
+         until each carries MIN_LOAD_GROUP_BYTES; each group is issued with
+         the first of its layers the transfer loads: layer 0 waits for its own
+         bytes only, a load of L layers costs at most 1 + ceil(log2 L)
+         launches, and a small load fewer; a packed draft layer comes with its
+         own is_draft load
 
 Contracts a caller relies on:
 
@@ -94,6 +96,12 @@ def decode_host_receive() -> bool:
         return False
 
 
+MIN_LOAD_GROUP_BYTES = 1 << 20
+"""The least a load's layer group after layer 0 carries: about what the link
+moves while the CPU issues one launch (some 20 us at 50 GB/s). A smaller group
+costs more in its launch than it gains by arriving early."""
+
+
 def doubling_layer_groups(layer_num: int) -> list[range]:
     """Layers 0 | 1 | 2-3 | 4-7 | ...: a load issues each group with its first
     layer. Layer 0 then waits for its own bytes only, and every later layer is
@@ -101,6 +109,26 @@ def doubling_layer_groups(layer_num: int) -> list[range]:
     0), for 1 + ceil(log2 L) launches instead of one per layer."""
     starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
     return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
+
+
+def load_layer_groups(
+    layer_num: int, layer_bytes: int, min_group_bytes: int = MIN_LOAD_GROUP_BYTES
+) -> list[range]:
+    """Layer 0 alone, then the doubling groups (``doubling_layer_groups``),
+    each merged with the next until it carries ``min_group_bytes`` of a load
+    whose layers are ``layer_bytes`` each; a last group below that joins the
+    one before it."""
+    first, *rest = doubling_layer_groups(layer_num)
+    merged: list[range] = []
+    for group in rest:
+        if merged and len(merged[-1]) * layer_bytes < min_group_bytes:
+            merged[-1] = range(merged[-1].start, group.stop)
+        else:
+            merged.append(group)
+    if len(merged) > 1 and len(merged[-1]) * layer_bytes < min_group_bytes:
+        tail = merged.pop()
+        merged[-1] = range(merged[-1].start, tail.stop)
+    return [first, *merged]
 
 
 def payload_buffer_info(info: MHABufferInfo, fmt: ScaleFormat) -> MHABufferInfo:
@@ -117,13 +145,22 @@ def payload_buffer_info(info: MHABufferInfo, fmt: ScaleFormat) -> MHABufferInfo:
     )
 
 
+@dataclass(frozen=True)
+class _LoadPlan:
+    """The layer groups of a load of one size, with their prepared tables."""
+
+    prepared: list[object]
+    group_of: dict[int, int]
+
+
 @dataclass
 class _LoadProgress:
-    """What one load transfer has issued so far: its target layers and the
-    layer groups on their way."""
+    """What one load transfer has issued so far: its plan, its target layers
+    and the layer groups on their way."""
 
     host_indices: torch.Tensor | None
     device_indices: torch.Tensor | None
+    plan: _LoadPlan | None = None
     layers: set[int] = field(default_factory=set)
     groups: set[int] = field(default_factory=set)
 
@@ -210,7 +247,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             "%s: %s HiCache host pool: --hicache-mem-layout %s and "
             "--hicache-io-backend %s are served by one owned %s page, %s; "
             "%d tokens, payload %.3f GB + scales %.3f GB, moved as page chunks by "
-            "%s; loads in %d layer groups.",
+            "%s; loads in up to %d layer groups.",
             pool_label,
             fmt.name,
             layout,
@@ -221,7 +258,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             (self.size * self.size_per_token - scale_bytes) / 1e9,
             scale_bytes / 1e9,
             self._mover.name,
-            len(self._load_groups),
+            len(self._load_plan(self._full_group_pages).prepared),
         )
 
     @classmethod
@@ -434,14 +471,14 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
         self._mover = self._mover_factory(tables)
         # Every layer for a backup; for a load, each group of the target
-        # model's layers, and each packed draft layer alone, keyed by its layer
-        # id: its load arrives as is_draft, after the target layer of its depth.
+        # model's layers (per load size, ``_load_plan``), and each packed draft
+        # layer alone, keyed by its layer id: its load arrives as is_draft,
+        # after the target layer of its depth.
         self._backup_prepared = self._mover.prepare(range(self.layer_num))
-        self._load_groups = self._load_layer_groups()
-        self._load_prepared = [self._mover.prepare(g) for g in self._load_groups]
-        self._load_group_of = {
-            layer: n for n, group in enumerate(self._load_groups) for layer in group
-        }
+        self._page_layer_bytes = page.span_bytes // page.layer_num
+        # From this many pages on, every doubling group carries the minimum.
+        self._full_group_pages = -(-MIN_LOAD_GROUP_BYTES // self._page_layer_bytes)
+        self._load_plans: dict[int, _LoadPlan] = {}
         self._draft_prepared = {
             layer: self._mover.prepare(range(layer, layer + 1))
             for layer in range(self.target_layer_num, self.layer_num)
@@ -453,8 +490,23 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         called before the pool allocates."""
         return transfer.choose_mover(page, pool_label=pool_label)
 
-    def _load_layer_groups(self) -> list[range]:
-        return doubling_layer_groups(self.target_layer_num)
+    def _load_layer_groups(self, pages: int) -> list[range]:
+        return load_layer_groups(
+            self.target_layer_num, pages * self._page_layer_bytes
+        )
+
+    def _load_plan(self, pages: int) -> _LoadPlan:
+        """The layer groups of a load of ``pages`` pages, built once per size
+        below ``_full_group_pages`` (one plan serves every size above)."""
+        pages = min(pages, self._full_group_pages)
+        plan = self._load_plans.get(pages)
+        if plan is None:
+            groups = self._load_layer_groups(pages)
+            plan = self._load_plans[pages] = _LoadPlan(
+                prepared=[self._mover.prepare(g) for g in groups],
+                group_of={layer: n for n, g in enumerate(groups) for layer in g},
+            )
+        return plan
 
     @staticmethod
     def _require_io(io_backend: str) -> None:
@@ -506,10 +558,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         objects for all its layers; kept referenced here, so a later pair
         cannot reuse their identity), and a layer seen again begins a new
         transfer. In ascending order from layer 0 this issues each group with
-        its first layer (``doubling_layer_groups``).
+        its first layer (``load_layer_groups``).
         """
-        group = self._load_group_of.get(layer_id)
-        if group is None:  # a draft layer id without is_draft: nothing to load
+        if layer_id >= self.target_layer_num:  # a draft layer without is_draft
             return None
         progress = self._load_progress
         if (
@@ -517,12 +568,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             or progress.device_indices is not device_indices
             or layer_id in progress.layers
         ):
-            progress = self._load_progress = _LoadProgress(host_indices, device_indices)
+            plan = self._load_plan(len(host_indices) // self.page_size)
+            progress = self._load_progress = _LoadProgress(
+                host_indices, device_indices, plan
+            )
         progress.layers.add(layer_id)
+        group = progress.plan.group_of[layer_id]
         if group in progress.groups:
             return None
         progress.groups.add(group)
-        return self._load_prepared[group]
+        return progress.plan.prepared[group]
 
     # L3: the host page is the stored page.
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import functools
 
 from sglang_mxfp8_hicache import transfer
-from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+from sglang_mxfp8_hicache.host_pool import (
+    MHATokenToKVPoolMXFP8Host,
+    doubling_layer_groups,
+)
 
 
 class FallbackKernelHost(MHATokenToKVPoolMXFP8Host):
@@ -37,15 +40,22 @@ class TwoBlocksHost(MHATokenToKVPoolMXFP8Host):
 class LoadAtLayerZeroHost(MHATokenToKVPoolMXFP8Host):
     """Every layer with layer 0: one launch per load."""
 
-    def _load_layer_groups(self) -> list[range]:
+    def _load_layer_groups(self, pages: int) -> list[range]:
         return [range(self.target_layer_num)]
 
 
 class LoadEachLayerHost(MHATokenToKVPoolMXFP8Host):
     """Each layer with its own call: one launch per layer."""
 
-    def _load_layer_groups(self) -> list[range]:
+    def _load_layer_groups(self, pages: int) -> list[range]:
         return [range(layer, layer + 1) for layer in range(self.target_layer_num)]
+
+
+class LoadDoublingHost(MHATokenToKVPoolMXFP8Host):
+    """Doubling layer groups at every load size, however few bytes each carries."""
+
+    def _load_layer_groups(self, pages: int) -> list[range]:
+        return doubling_layer_groups(self.target_layer_num)
 
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
@@ -54,4 +64,5 @@ ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "blocks2": TwoBlocksHost,
     "load_at_layer0": LoadAtLayerZeroHost,
     "load_each_layer": LoadEachLayerHost,
+    "load_doubling": LoadDoublingHost,
 }
