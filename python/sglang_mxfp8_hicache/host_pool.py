@@ -97,9 +97,14 @@ def decode_host_receive() -> bool:
 
 
 MIN_LOAD_GROUP_BYTES = 1 << 20
-"""The least a load's layer group after layer 0 carries: about what the link
-moves while the CPU issues one launch (some 20 us at 50 GB/s). A smaller group
-costs more in its launch than it gains by arriving early."""
+"""The least a load's layer group after layer 0 carries (20 us at 50 GB/s): a
+group costs its launch, the per-layer calls before it and the kernel's start,
+some 20-30 us on an H200 host, so a smaller one gains less by arriving early
+than it costs."""
+ONE_LAUNCH_BYTES = 256 << 10
+"""A load whose layers after layer 0 carry less moves in one launch: the link
+moves them in about the time the CPU takes to issue a second launch (some
+6 us), so layer 0 waits barely longer and every other layer comes sooner."""
 
 
 def doubling_layer_groups(layer_num: int) -> list[range]:
@@ -112,12 +117,18 @@ def doubling_layer_groups(layer_num: int) -> list[range]:
 
 
 def load_layer_groups(
-    layer_num: int, layer_bytes: int, min_group_bytes: int = MIN_LOAD_GROUP_BYTES
+    layer_num: int,
+    layer_bytes: int,
+    min_group_bytes: int = MIN_LOAD_GROUP_BYTES,
+    one_launch_bytes: int = ONE_LAUNCH_BYTES,
 ) -> list[range]:
     """Layer 0 alone, then the doubling groups (``doubling_layer_groups``),
     each merged with the next until it carries ``min_group_bytes`` of a load
     whose layers are ``layer_bytes`` each; a last group below that joins the
-    one before it."""
+    one before it. Every layer at once if those after layer 0 carry less than
+    ``one_launch_bytes``."""
+    if (layer_num - 1) * layer_bytes < one_launch_bytes:
+        return [range(layer_num)]
     first, *rest = doubling_layer_groups(layer_num)
     merged: list[range] = []
     for group in rest:
@@ -491,9 +502,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return transfer.choose_mover(page, pool_label=pool_label)
 
     def _load_layer_groups(self, pages: int) -> list[range]:
-        return load_layer_groups(
-            self.target_layer_num, pages * self._page_layer_bytes
-        )
+        return load_layer_groups(self.target_layer_num, pages * self._page_layer_bytes)
 
     def _load_plan(self, pages: int) -> _LoadPlan:
         """The layer groups of a load of ``pages`` pages, built once per size
@@ -539,12 +548,12 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         transfer loads (``_target_load_group``), so every layer is on its way
         before its own call returns, whatever order the layer mapper gives."""
         self._require_io(io_backend)
-        self._mover.raise_if_refused()
         if is_draft:
             prepared = self._draft_prepared.get(layer_id)
         else:
             prepared = self._target_load_group(layer_id, host_indices, device_indices)
         if prepared is not None:
+            self._mover.raise_if_refused()
             self._mover.move(prepared, host_indices, device_indices, to_host=False)
 
     def _target_load_group(self, layer_id: int, host_indices, device_indices):

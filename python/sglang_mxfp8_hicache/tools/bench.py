@@ -42,6 +42,7 @@ nor ``layer_first``) gets ``None`` for its cells: "refused" in the tables.
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -224,9 +225,10 @@ Transfer = Callable[[Callable[[], None]], object]
 def _time_all(
     fns: dict[str, Transfer], *, warmup: int, repeat: int
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms of each transfer, whole and to layer 0. The runs go round-robin
-    over the columns, each round starting one column later, so drift and the
-    position in a round hit every column alike."""
+    """Median ms of each transfer, whole and to layer 0. Each round runs every
+    column once in a seeded random order, so drift, the position in a round and
+    the column run just before hit every column alike (in a fixed cyclic
+    order each column follows the same one in most rounds)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn(lambda: None)
@@ -234,9 +236,10 @@ def _time_all(
     items = list(fns.items())
     whole: dict[str, list[float]] = {name: [] for name in fns}
     layer0: dict[str, list[float]] = {name: [] for name in fns}
-    for round_ in range(repeat):
-        shift = round_ % len(items)
-        for name, fn in items[shift:] + items[:shift]:
+    order = random.Random(0)
+    for _ in range(repeat):
+        order.shuffle(items)
+        for name, fn in items:
             start, first, end = (torch.cuda.Event(enable_timing=True) for _ in "123")
             marked: list[None] = []
 
