@@ -13,9 +13,9 @@ as the pool hands them (the flat page is a view of the span).
     H2D  layer 0 alone, then doubling groups (1 | 2-3 | 4-7 | ...) merged
          until each carries MIN_LOAD_GROUP_BYTES; each group is issued with
          the first of its layers the transfer loads: layer 0 waits for its own
-         bytes only, a load of L layers costs at most 1 + ceil(log2 L)
-         launches, and a small load fewer; a packed draft layer comes with its
-         own is_draft load
+         bytes only, and a load of L layers costs at most 1 + ceil(log2 L)
+         launches (one under ONE_LAUNCH_BYTES after layer 0); a packed draft
+         layer comes with its own is_draft load
 
 Contracts a caller relies on:
 
