@@ -5,8 +5,9 @@ storage config keyed by ``storage_model_name`` (so the pool's
 ``storage_format_tag`` is in every key), ``StorageBackendFactory.create_backend``
 and ``register_mem_pool_host``. The page moves are the controller's own
 functions, called unbound on this object: ``_generic_page_set/_get`` for
-``file``, ``_page_set/_get_zero_copy`` for ``mooncake`` (its list at
-``cache_controller.py:641-657``), and ``_storage_hit_query`` for the prefix that
+``file`` and generic ``dynamic``, ``_page_set/_get_zero_copy`` for
+``mooncake`` and ``dynamic`` with ``interface_v1`` (its choice at
+``cache_controller.py:645-667``), and ``_storage_hit_query`` for the prefix that
 is in L3. What is left out is the queues and threads around them.
 """
 
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 ZERO_COPY_BACKENDS = ("mooncake",)
-"""The backends we serve that SGLang's controller drives through batch_*_v1."""
+"""The backends we serve that SGLang's controller drives through batch_*_v1,
+besides ``dynamic`` with ``interface_v1``."""
 
 
 def page_hashes(tokens: list[int], page_size: int) -> list[str]:
@@ -33,6 +35,7 @@ class StoragePageIO:
     backend_name: str
     storage_backend: Any
     storage_host_pool: Any
+    zero_copy: bool
 
     @property
     def mem_pool_host(self) -> Any:
@@ -79,11 +82,10 @@ class StoragePageIO:
         )
         backend = StorageBackendFactory.create_backend(backend_name, config, host_pool)
         backend.register_mem_pool_host(host_pool)
-        return cls(backend_name, backend, host_pool)
-
-    @property
-    def zero_copy(self) -> bool:
-        return self.backend_name in ZERO_COPY_BACKENDS
+        zero_copy = backend_name in ZERO_COPY_BACKENDS or (
+            backend_name == "dynamic" and bool(config.extra_config.get("interface_v1"))
+        )
+        return cls(backend_name, backend, host_pool, zero_copy)
 
     def _batches(self, hashes: list[str], host_indices: torch.Tensor):
         """(keys, host indices) of at most STORAGE_BATCH_SIZE pages, as the
