@@ -4,11 +4,11 @@ For L layers (packed draft layers last), a host page is one contiguous span of
 ``span_bytes`` bytes, and the same bytes are the L3 page:
 
     page p, at byte p * span_bytes of the pool's one host allocation
-    +-- K part ----------------------------------------------------------+
-    | layer 0: K payload run | K scale run | layer 1: ... | layer L-1: ... |
-    +-- V part ----------------------------------------------------------+
-    | layer 0: V payload run | V scale run | layer 1: ... | layer L-1: ... |
-    +--------------------------------------------------------------------+
+    +-- K part -----------------------------------------------------------------+
+    | layer 0: K payload run | K scale run | layer 1: ... | layer L-1: ... | seal |
+    +-- V part -----------------------------------------------------------------+
+    | layer 0: V payload run | V scale run | layer 1: ... | layer L-1: ... | seal |
+    +---------------------------------------------------------------------------+
 
 A run is the device page's bytes as the device pool holds them: in SGLang's
 pools one page of one layer is one contiguous run of payload (P x H x D bytes
@@ -18,6 +18,12 @@ chunk between a device page number times the run's bytes and a host page
 number times ``span_bytes``, whatever the format: the host page never needs to
 know what a scale byte means, and neither does an L3 backend.
 
+Each part of a layer-major page ends in a seal of ``seal_bytes(page_size)``
+bytes (``seal.py``): no device transfer touches it; an L3 backend that cannot
+report what it stored has it written when a page goes to L3 and checked when
+it comes back, so a short, long, stale or foreign object under our key is a
+miss. A heads-major page has none (below).
+
 ``--hicache-mem-layout page_head`` asks for a heads-major page, so that an L3
 object can hold a group of heads and ranks of another TP size can share it
 (mooncake's split heads). Then each part is, head by head, every layer's
@@ -25,7 +31,8 @@ chunk of that head: the payload rows of the head (strided on the device) and
 its scales (MXFP8's atom keeps a head's scales of a page contiguous; FP4's
 per-token rows hold them as strided rows). A head group's bytes are then the
 same whatever the rank's head count, which is why the key tag of a
-heads-major page names no head count:
+heads-major page names no head count, and why it has no seal (a seal would
+make a 2-head rank's part differ from a head group of a 4-head page):
 
     heads-major K part:  head 0: [layer 0: payload | scales] ... [layer L-1: ...]
                          head 1: ...
@@ -39,9 +46,20 @@ from dataclasses import dataclass
 
 from sglang_mxfp8_hicache.geometry import ScaleFormat, ScaleGeometry
 
-STORAGE_FORMAT_VERSION = 2
+STORAGE_FORMAT_VERSION = 3
 """Bumped whenever the bytes of a stored page change meaning; it is in the keys.
-Version 1 kept the scales of a page apart from its payload."""
+Version 1 kept the scales of a page apart from its payload; version 2 had no
+seals."""
+
+SEAL_CONTENT_BYTES = 24
+"""What a seal holds (``seal.py``): a magic word, the key's seed, the digest."""
+
+
+def seal_bytes(page_size: int) -> int:
+    """Bytes of each part's seal: the least multiple of ``page_size`` that
+    holds one, so a page stays a whole number of bytes per token."""
+    return -(-SEAL_CONTENT_BYTES // page_size) * page_size
+
 
 PARTS = ("k_payload", "k_scales", "v_payload", "v_scales")
 """The four runs of one page and layer, in the order kernels and tables use."""
@@ -49,11 +67,13 @@ PARTS = ("k_payload", "k_scales", "v_payload", "v_scales")
 
 @dataclass(frozen=True)
 class PagePart:
-    """One side (K or V) of a host page: per layer, a payload run then a scale run."""
+    """One side (K or V) of a host page: per layer, a payload run then a scale
+    run, then the part's seal (none for one head's chunks)."""
 
     payload_bytes: int
     scale_bytes: int
     layer_num: int
+    seal_bytes: int = 0
 
     @property
     def layer_bytes(self) -> int:
@@ -61,7 +81,7 @@ class PagePart:
 
     @property
     def span_bytes(self) -> int:
-        return self.layer_num * self.layer_bytes
+        return self.layer_num * self.layer_bytes + self.seal_bytes
 
     def payload_offset(self, layer: int) -> int:
         return layer * self.layer_bytes
@@ -121,12 +141,27 @@ class HostPage:
         return self.k.page_size
 
     @property
+    def seal_bytes(self) -> int:
+        """Bytes of each part's seal; none on a heads-major page."""
+        return 0 if self.heads_major else seal_bytes(self.page_size)
+
+    @property
     def k_part(self) -> PagePart:
-        return PagePart(self.k.payload_page_bytes, self.k.page_bytes, self.layer_num)
+        return PagePart(
+            self.k.payload_page_bytes,
+            self.k.page_bytes,
+            self.layer_num,
+            self.seal_bytes,
+        )
 
     @property
     def v_part(self) -> PagePart:
-        return PagePart(self.v.payload_page_bytes, self.v.page_bytes, self.layer_num)
+        return PagePart(
+            self.v.payload_page_bytes,
+            self.v.page_bytes,
+            self.layer_num,
+            self.seal_bytes,
+        )
 
     @property
     def span_bytes(self) -> int:
@@ -237,6 +272,7 @@ class HostPage:
                 if k == v
                 else f" for K, [payload {v.payload_bytes} B | scales {v.scale_bytes} B] for V"
             )
+            + (f", then a {self.seal_bytes} B seal" if self.seal_bytes else "")
         )
 
     def storage_format_tag(self) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat, ScaleGeometry
+from sglang_mxfp8_hicache.page import HostPage
 
 PAGE_SIZE = 128
 """MXFP8's page size, and the default for the others."""
@@ -201,7 +202,10 @@ def host_plan(
         head_num=heads, head_dim=model.head_dim, page_size=page_size, fmt=fmt
     )
     payload = 2 * scales.payload_bytes_per_token * model.layers
-    scale = 2 * scales.bytes_per_token * model.layers
+    # Scales, and the seal at the end of each part of a page (page.seal_bytes).
+    scale = (
+        HostPage(k=scales, v=scales, layer_num=model.layers).bytes_per_token - payload
+    )
 
     def tokens(bytes_per_token: int) -> int:
         return host_tokens(

@@ -17,14 +17,13 @@ pool of ours it
   longer file into the page without a word and raises on a shorter one (which
   costs the whole batch), and Mooncake writes the parts of a page that are
   fine into host memory before it fails the part that is not;
-* for ``dynamic``, a class SGLang loads by module path, prefixes every key with
-  the pool's format tag (the class may leave the model name out of its keys)
-  and checks each read as far as a class's reply tells: an error, a page of
-  another size, or a page whose last 16 bytes the class did not write is a
-  miss. What the reply cannot tell is not caught: a longer object cut to the
-  page, or one short by under 16 bytes, copied into the page by a class that
-  reports a hit. A zero-copy class writes into the prefetch's own host pages,
-  which SGLang frees past the last page that arrived.
+* for ``dynamic``, a class SGLang loads by module path, which reports no
+  object sizes, prefixes every key with the pool's format tag (the class may
+  leave the model name out of its keys) and seals each page on its way to L3
+  (``seal.py``): a read that raises, returns a page of another size, or
+  brings a page whose seal does not match its bytes and key is a miss. A
+  zero-copy class writes the prefetch's own host pages, which SGLang frees
+  past the last page that arrived.
 
 Every other pool's backend is left to SGLang unchanged.
 """
@@ -36,6 +35,8 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from sglang_mxfp8_hicache import seal
 
 if TYPE_CHECKING:
     import torch
@@ -165,14 +166,20 @@ KEYED_METHODS = (
 with page keys. Only these take the prefix: a class's own ``exists``, ``get``
 and ``set`` are what its batch methods may call with the keys they were given."""
 
-UNWRITTEN_TAIL_BYTES = 16
-"""Bytes at the end of each target of a dynamic read that are set to a random
-mark first: a class that leaves them is a class that wrote less than a page."""
-
 
 def _guard_dynamic(backend: Any, pool: Any, storage_config: Any) -> None:
     """A dynamic class's keys carry the pool's format tag as a prefix, and its
-    reads are checked (``_dynamic_get_checked``, ``_dynamic_get_v1_checked``)."""
+    pages carry seals: written on the way to L3, checked on the way back."""
+    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+
+    if not pool.host_page.seal_bytes:
+        raise MXFP8HiCacheConfigError(
+            f"{pool.pool_label}: --hicache-storage-backend dynamic needs a seal on "
+            "each page to check what a class brings back, and a heads-major page "
+            "(--hicache-mem-layout page_head) has none: its head groups are shared "
+            "with ranks of other head counts. Use mooncake, or another "
+            "--hicache-mem-layout."
+        )
     inner = getattr(backend, "_backend", backend)
     prefix = f"{pool.storage_format_tag}_"
     for name in KEYED_METHODS:
@@ -180,18 +187,21 @@ def _guard_dynamic(backend: Any, pool: Any, storage_config: Any) -> None:
         if method is not None:
             setattr(inner, name, _with_key_prefix(method, prefix))
     v1 = bool((storage_config.extra_config or {}).get("interface_v1", 0))
-    name, check = (
-        ("batch_get_v1", _dynamic_get_v1_checked)
+    checks = (
+        {"batch_set_v1": _sealed_set_v1, "batch_get_v1": _checked_get_v1}
         if v1
-        else ("batch_get", _dynamic_get_checked)
+        else {"batch_set": _sealed_set, "batch_get": _checked_get}
     )
-    read = getattr(inner, name)
+    for name, check in checks.items():
+        setattr(inner, name, _bind(check, getattr(inner, name), pool))
 
-    @functools.wraps(read)
+
+def _bind(check: Callable[..., Any], method: Callable[..., Any], pool: Any):
+    @functools.wraps(method)
     def checked(*args: Any, **kwargs: Any) -> Any:
-        return check(read, pool, *args, **kwargs)
+        return check(method, pool, *args, **kwargs)
 
-    setattr(inner, name, checked)
+    return checked
 
 
 def _with_key_prefix(method: Callable[..., Any], prefix: str) -> Callable[..., Any]:
@@ -200,6 +210,35 @@ def _with_key_prefix(method: Callable[..., Any], prefix: str) -> Callable[..., A
         return method([prefix + key for key in keys], *args, **kwargs)
 
     return prefixed
+
+
+def _page_parts(pool: Any, flat: torch.Tensor) -> list[Any]:
+    """The K and V parts of one flat page (CPU), as uint8 arrays."""
+    import torch
+
+    data = flat.view(torch.uint8).numpy()
+    k_span = pool.host_page.k_part.span_bytes
+    return [data[:k_span], data[k_span:]]
+
+
+def _seal_page(pool: Any, flat: torch.Tensor, key: str) -> None:
+    seed = seal.key_seed(pool.storage_format_tag, key)
+    for part in _page_parts(pool, flat):
+        seal.write(part, pool.host_page.seal_bytes, seed)
+
+
+def _page_is_sealed(pool: Any, flat: torch.Tensor, key: str) -> bool:
+    seed = seal.key_seed(pool.storage_format_tag, key)
+    return all(
+        seal.holds(part, pool.host_page.seal_bytes, seed)
+        for part in _page_parts(pool, flat)
+    )
+
+
+def _host_pages(pool: Any, host_indices: torch.Tensor) -> list[torch.Tensor]:
+    return [
+        pool.get_data_page(index) for index in host_indices[:: pool.page_size].tolist()
+    ]
 
 
 def _read_or_log(read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -215,81 +254,83 @@ def _read_or_log(read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return None
 
 
-def _dynamic_get_checked(
+def _sealed_set(
+    write: Callable[..., Any],
+    pool: Any,
+    keys: Sequence[str],
+    values: Sequence[torch.Tensor],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A generic ``batch_set`` of flat pages (views of host pages), sealed first."""
+    for key, value in zip(keys, values, strict=True):
+        _seal_page(pool, value, key)
+    return write(keys, values, *args, **kwargs)
+
+
+def _sealed_set_v1(
+    write: Callable[..., Any],
+    pool: Any,
+    keys: Sequence[str],
+    host_indices: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """A zero-copy ``batch_set_v1``, each host page sealed first."""
+    for key, page in zip(keys, _host_pages(pool, host_indices), strict=True):
+        _seal_page(pool, page, key)
+    return write(keys, host_indices, *args, **kwargs)
+
+
+def _checked_get(
     read: Callable[..., Any],
     pool: Any,
     keys: Sequence[str],
     target_locations: Sequence[torch.Tensor],
     target_sizes: Any = None,
 ) -> list[torch.Tensor | None]:
-    """A generic dynamic ``batch_get``: the leading pages the class returned
-    whole, each exactly one flat page. The targets are the controller's
-    staging pages, so nothing of a page reaches the host pool before this."""
-    import torch
-
-    mark = torch.frombuffer(
-        bytearray(os.urandom(UNWRITTEN_TAIL_BYTES)), dtype=torch.uint8
-    )
-    for target in target_locations:
-        target.view(torch.uint8)[-UNWRITTEN_TAIL_BYTES:] = mark
+    """A generic ``batch_get``: the leading pages the class returned as one
+    whole flat page each, sealed under their key. The targets are the
+    controller's staging pages: nothing reaches a host page before this."""
     results = _read_or_log(read, keys, target_locations, target_sizes)
     if results is None:
         return [None] * len(keys)
     expected = pool.host_page.span_bytes
     wrong: list[WrongPage] = []
     returned = len(keys)
-    for page, (key, result, target) in enumerate(
-        zip(keys, results, target_locations, strict=True)
-    ):
+    for page, (key, result) in enumerate(zip(keys, results, strict=True)):
         if result is None:
             returned = min(returned, page)
             continue
         found = result.numel() * result.element_size()
-        if found != expected:
+        if found != expected or not _page_is_sealed(pool, result, key):
             wrong.append((page, key, found, expected))
-        elif result.data_ptr() == target.data_ptr() and torch.equal(
-            result.view(torch.uint8)[-UNWRITTEN_TAIL_BYTES:], mark
-        ):
-            wrong.append((page, key, FEWER, expected))
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*results[:good], *[None] * (len(keys) - good)]
 
 
-def _dynamic_get_v1_checked(
+def _checked_get_v1(
     read: Callable[..., Any],
     pool: Any,
     keys: Sequence[str],
     host_indices: torch.Tensor,
     extra_info: Any = None,
 ) -> list[bool]:
-    """A zero-copy dynamic ``batch_get_v1``: the leading pages the class says
-    it read and whose K and V parts it wrote to their last bytes. The class
-    writes into the prefetch's own host pages, which the controller frees
-    past the last page that arrived: a page it reports missing gets back the
-    bytes the mark replaced."""
-    import ctypes
-
-    pointers, sizes = pool.get_page_buffer_meta(host_indices)
-    tails = [p + n - UNWRITTEN_TAIL_BYTES for p, n in zip(pointers, sizes, strict=True)]
-    kept = [ctypes.string_at(t, UNWRITTEN_TAIL_BYTES) for t in tails]
-    mark = os.urandom(UNWRITTEN_TAIL_BYTES)
-    for tail in tails:
-        ctypes.memmove(tail, mark, UNWRITTEN_TAIL_BYTES)
+    """A zero-copy ``batch_get_v1``: the leading pages the class says it read
+    whose bytes carry their seal. The class writes the prefetch's own host
+    pages, which SGLang frees past the last page that arrived."""
     results = _read_or_log(read, keys, host_indices, extra_info)
-    hits = [False] * len(keys) if results is None else list(results)
-    parts = len(tails) // len(keys)
+    if results is None:
+        return [False] * len(keys)
+    expected = pool.host_page.span_bytes
     wrong: list[WrongPage] = []
     returned = len(keys)
-    for page, (key, hit) in enumerate(zip(keys, hits, strict=True)):
-        page_parts = range(page * parts, (page + 1) * parts)
+    pages = _host_pages(pool, host_indices)
+    for page, (key, hit, flat) in enumerate(zip(keys, results, pages, strict=True)):
         if not hit:
             returned = min(returned, page)
-            for part in page_parts:
-                ctypes.memmove(tails[part], kept[part], UNWRITTEN_TAIL_BYTES)
-        elif any(
-            ctypes.string_at(tails[i], UNWRITTEN_TAIL_BYTES) == mark for i in page_parts
-        ):
-            wrong.append((page, key, FEWER, pool.host_page.span_bytes))
+        elif not _page_is_sealed(pool, flat, key):
+            wrong.append((page, key, UNSEALED, expected))
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*[True] * good, *[False] * (len(keys) - good)]
 
@@ -297,8 +338,8 @@ def _dynamic_get_v1_checked(
 WrongPage = tuple[int, str, int, int]
 """(page in the batch, its first wrong object or file, size found, size expected)."""
 
-FEWER = -2
-"""Size found for a page whose last bytes the backend did not write."""
+UNSEALED = -2
+"""Size found for a page of a backend that reports no sizes, whose seal failed."""
 
 
 def _leading_good_pages(wrong: list[WrongPage], pages: int) -> int:
@@ -308,12 +349,12 @@ def _leading_good_pages(wrong: list[WrongPage], pages: int) -> int:
     first, key, found, expected = wrong[0]
     logger.warning(
         "L3: %d of %d pages in this batch are missing a part or have the "
-        "wrong size; they and the pages after the first of them are treated as "
-        "not in L3 (first: %s, %s bytes, expected %d).",
+        "wrong size or seal; they and the pages after the first of them are "
+        "treated as not in L3 (first: %s, %s bytes, expected %d).",
         len(wrong),
         pages,
         key,
-        "fewer" if found == FEWER else found,
+        "unsealed" if found == UNSEALED else found,
         expected,
     )
     return first
