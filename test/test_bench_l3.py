@@ -21,9 +21,9 @@ from sglang_mxfp8_hicache.tools import bench_l3
 from test_cli import MASTER, run_cli  # the CLI tests' runner and master config
 
 TINY = (1, 128, 2)
-"""1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload
-and 2 x 1 KiB of scales."""
-TINY_PAGE = {"mxfp8": 2 * (32768 + 1024), "payload": 2 * 32768}
+"""1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload,
+2 x 1 KiB of scales and a 128 B seal."""
+TINY_PAGE = {"mxfp8": 2 * (32768 + 1024 + 128), "payload": 2 * 32768}
 
 
 def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> bench_l3.Report:
@@ -186,8 +186,8 @@ def tiny_run(backend: str, **kwargs) -> bench_l3.Report:
 def check_report(report: bench_l3.Report) -> None:
     assert [c.pages for c in report.cells] == [1, 2]
     assert report.page_bytes == TINY_PAGE
-    assert report.byte_ratio == 1.03125
-    assert report.format_tag.startswith("mxfp8v2-l2h1d128p128")
+    assert report.byte_ratio == TINY_PAGE["mxfp8"] / TINY_PAGE["payload"]
+    assert report.format_tag.startswith("mxfp8v3-l2h1d128p128")
     for cell in report.cells:
         for d in bench_l3.DIRECTIONS:
             for pool in bench_l3.POOLS:
@@ -227,7 +227,7 @@ def test_wrong_bytes_fail_the_run(cpu_kernels, storage_hooks, tmp_path, monkeypa
     def corrupt(self, key, target_location, target_sizes=None):
         got = read(self, key, target_location, target_sizes)
         if got is not None and got.numel() * got.element_size() == mxfp8_page:
-            got.view(torch.uint8)[-1] ^= 0xFF
+            got.view(torch.uint8)[-129] ^= 0xFF  # the last scale byte, before the seal
         return got
 
     monkeypatch.setattr(HiCacheFile, "get", corrupt)

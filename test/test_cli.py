@@ -65,8 +65,9 @@ def test_size_table(capsys):
     )
     out = capsys.readouterr().out
     assert "1 KV heads x 128 (TP 8)" in out
-    # 100e9 // 21120 = 4734848 -> 36991 pages + 1 padding; payload only: // 20480.
-    assert "21120" in out and str(36992 * 128) in out
+    # 100e9 // 21122 = 4734400 -> 36987 pages + 1 padding (21122 B per token:
+    # payload, scales, 2 B of page seals); payload only: // 20480.
+    assert "21122" in out and str(36988 * 128) in out
     assert "20480" in out and str((100_000_000_000 // 20480 // 128 + 1) * 128) in out
 
 
@@ -84,7 +85,7 @@ def test_size_fp4(capsys, kv_cache_dtype):
     assert main(table) == 0
     out = capsys.readouterr().out
     assert f"--kv-cache-dtype {kv_cache_dtype}, page_size 64" in out
-    assert f"{kv_cache_dtype} with scales" in out and "36864" in out
+    assert f"{kv_cache_dtype} with scales" in out and "36866" in out  # + seals
 
 
 def test_size_from_hf_config(tmp_path, capsys):
@@ -116,7 +117,7 @@ def test_size_from_hf_config(tmp_path, capsys):
         == 0
     )
     plan = json.loads(capsys.readouterr().out)
-    assert plan["bytes_per_token"] == 131072 + 4096
+    assert plan["bytes_per_token"] == 131072 + 4096 + 2  # + page seals
     assert plan["host_tokens"] == (2000 // 128 + 1) * 128
 
 
@@ -444,7 +445,7 @@ def test_size_reads_text_config(tmp_path, capsys):
     path.write_text(json.dumps({"model_type": "llava", "text_config": LLAMA_8B}))
     code, out, _ = run_cli(size(config=str(path)), capsys)
     assert code == 0
-    assert json.loads(out)["bytes_per_token"] == 2 * 32 * 8 * (128 + 4)
+    assert json.loads(out)["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) + 2
 
 
 def test_version(capsys):

@@ -27,29 +27,35 @@ def test_scale_page_bytes(heads, head_dim, page_bytes):
 
 def test_host_page_byte_order():
     """A page is K then V; each is, layer by layer, the payload run then the
-    scale run of that layer's device page."""
+    scale run of that layer's device page, then a seal of one byte per token."""
     k = ScaleGeometry(head_num=8, head_dim=192, page_size=128)
     v = ScaleGeometry(head_num=8, head_dim=128, page_size=128)
     page = HostPage(k, v, layer_num=3)
     k_layer = 128 * 8 * 192 + 128 * 8 * 6
     v_layer = 128 * 8 * 128 + 128 * 8 * 4
-    assert page.k_part.span_bytes == 3 * k_layer
-    assert page.span_bytes == 3 * (k_layer + v_layer)
+    assert page.seal_bytes == 128
+    assert page.k_part.span_bytes == 3 * k_layer + 128
+    assert page.span_bytes == 3 * (k_layer + v_layer) + 2 * 128
     assert page.run_bytes() == (128 * 8 * 192, 128 * 8 * 6, 128 * 8 * 128, 128 * 8 * 4)
     assert page.run_offsets(0) == (
         0,
         128 * 8 * 192,
-        3 * k_layer,
-        3 * k_layer + 128 * 8 * 128,
+        3 * k_layer + 128,
+        3 * k_layer + 128 + 128 * 8 * 128,
     )
     assert page.run_offsets(2)[1] == 2 * k_layer + 128 * 8 * 192
     assert page.bytes_per_token * 128 == page.span_bytes
-    assert page.storage_format_tag() == "mxfp8v2-l3h8d192v128p128"
-    # Every byte of the span belongs to exactly one run.
+    assert page.storage_format_tag() == "mxfp8v3-l3h8d192v128p128"
+    # Every byte of the span belongs to exactly one run or one part's seal.
+    k_seal = page.k_part.span_bytes - 128
+    seals = [(k_seal, k_seal + 128), (page.span_bytes - 128, page.span_bytes)]
     covered = sorted(
-        (off, off + size)
-        for layer in range(3)
-        for off, size in zip(page.run_offsets(layer), page.run_bytes(), strict=True)
+        [
+            (off, off + size)
+            for layer in range(3)
+            for off, size in zip(page.run_offsets(layer), page.run_bytes(), strict=True)
+        ]
+        + seals
     )
     assert covered[0][0] == 0 and covered[-1][1] == page.span_bytes
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
@@ -97,21 +103,23 @@ def test_bytes_per_token(name):
     plan = host_plan(model, tp_size=tp, device_tokens=100_000, hicache_ratio=2.0)
     assert plan.payload_bytes_per_token == payload
     assert plan.scale_bytes_per_token == scales
-    assert plan.bytes_per_token == payload + scales
+    assert plan.seal_bytes_per_token == 2  # a 128 B seal per part, page 128
+    assert plan.bytes_per_token == payload + scales + 2
 
 
 def test_host_tokens_from_size_and_ratio():
     model = MODELS["llama-3.1-8b"][0]
-    # --hicache-size 0.5: int(0.5e9 // 67584) = 7398 tokens -> 57 pages + 1 padding.
+    # --hicache-size 0.5: int(0.5e9 // 67586) = 7397 tokens -> 57 pages + 1 padding
+    # (67586 B per token: payload, scales and 2 B of page seals).
     plan = host_plan(model, tp_size=1, device_tokens=100_000, hicache_size_gb=0.5)
     assert plan.host_tokens == 58 * 128
-    assert plan.host_bytes == 58 * 128 * 67584
+    assert plan.host_bytes == 58 * 128 * 67586
     # Payload-only sizing would have given int(0.5e9 // 65536) = 7629 -> 59 + 1 pages.
     assert plan.host_tokens_without_scales == 60 * 128
     # --hicache-ratio 2 over 1000 device tokens: 2000 -> 15 pages + 1 padding.
     plan = host_plan(model, tp_size=1, device_tokens=1000, hicache_ratio=2.0)
     assert plan.host_tokens == 16 * 128
-    assert plan.host_bytes == 16 * 128 * 67584
+    assert plan.host_bytes == 16 * 128 * 67586
 
 
 def test_tp_must_divide_or_replicate_heads():
@@ -137,7 +145,7 @@ def test_fp4_scale_page_bytes(fmt, heads, page_size, page_bytes):
     assert geometry.payload_head_bytes == 64
     assert geometry.payload_bytes_per_token == 8 * geometry.bytes_per_token
     page = HostPage(geometry, geometry, layer_num=3)
-    assert page.storage_format_tag() == f"{fmt.name}v2-l3h{heads}d128p{page_size}"
+    assert page.storage_format_tag() == f"{fmt.name}v3-l3h{heads}d128p{page_size}"
 
 
 @pytest.mark.parametrize("fmt", [FP4_MX_BLOCK16, NVFP4], ids=lambda f: f.name)

@@ -33,11 +33,13 @@ def test_sizing_counts_scales(make_pools):
     _, host = make_pools(heads=8, head_dim=128, layers=4, pages=2)
     payload = 2 * 8 * 128 * 4
     scales = 2 * 8 * 4 * 4
-    assert host.get_size_per_token() == payload + scales
-    assert host.size_per_token == payload + scales
-    assert host.get_ksize_per_token() == (payload + scales) // 2
-    # One span per page: K part then V part, each 4 layers of [payload | scales].
-    assert host.kv_buffer.shape == (host.page_num, 128 * (payload + scales))
+    seals = 2  # a 128 B seal at the end of each part of a 128-token page
+    assert host.get_size_per_token() == payload + scales + seals
+    assert host.size_per_token == payload + scales + seals
+    assert host.get_ksize_per_token() == (payload + scales + seals) // 2
+    # One span per page: K part then V part, each 4 layers of [payload | scales]
+    # and a seal.
+    assert host.kv_buffer.shape == (host.page_num, 128 * (payload + scales + seals))
     assert host.host_page.k_part.layer_bytes == 128 * 8 * 128 + 8 * 4 * 128
 
 
@@ -422,8 +424,13 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
             *device_pool.v_scale_buffer,
         ]
         device_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        assert host.size_per_token == device_bytes // (device_pool.size + page_size)
-        assert host.size_per_token == 36864  # 32 layers of 8x128
+        # The device cell, and each part's seal: one page_size of bytes.
+        seals = 2
+        assert (
+            host.size_per_token
+            == device_bytes // (device_pool.size + page_size) + seals
+        )
+        assert host.size_per_token == 36864 + seals  # 32 layers of 8x128
         assert 2 * info.head_num * info.head_dim * len(tensors) // 4 == 65536
         plan = host_plan(
             ModelGeometry(layers=32, kv_heads=8, head_dim=128),
@@ -436,7 +443,7 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
         assert host.size == plan.host_tokens
         # The packed payload of one head is 64 B of a page's K run per token.
         assert host.host_page.k_part.payload_bytes == page_size * 8 * 64
-        assert host.storage_format_tag.startswith(f"{name}v2-l32h8d128p{page_size}")
+        assert host.storage_format_tag.startswith(f"{name}v3-l32h8d128p{page_size}")
     finally:
         host.destroy()
 

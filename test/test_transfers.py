@@ -63,10 +63,12 @@ def test_round_trip(make_pools, heads, head_dim, layers, pages):
     assert host.page_num >= pages
     result = round_trip(device_pool, host, pages=pages, seed=pages + heads)
     assert_exact(result)
-    # The host page is one span: payload and scale runs of every layer.
+    # The host page is one span: payload and scale runs of every layer, and a
+    # 128 B seal per part.
     page = host.host_page
     assert host.kv_buffer.shape == (host.page_num, page.span_bytes)
-    assert page.span_bytes == 2 * layers * 128 * heads * (head_dim + head_dim // 32)
+    runs = 2 * layers * 128 * heads * (head_dim + head_dim // 32)
+    assert page.span_bytes == runs + 2 * 128
     # Random bytes include 0xFF (UE8M0 NaN) in what the pages carried.
     assert (host.kv_buffer.view(torch.uint8) == 0xFF).any()
 
@@ -116,7 +118,8 @@ def test_round_trip_fp4(
     assert host.host_page.fmt.name == kv_cache_dtype
     assert host.page_size == page_size
     # Half a byte of payload and 1/16 of a scale byte per element.
-    assert host.get_size_per_token() == 2 * (layers + drafts) * heads * (64 + 8)
+    seals = 2 * host.host_page.seal_bytes // host.page_size
+    assert host.get_size_per_token() == 2 * (layers + drafts) * heads * (64 + 8) + seals
     result = round_trip(
         device_pool, host, pages=pages, seed=pages + heads, drafts=draft_pools
     )
@@ -150,8 +153,10 @@ def test_round_trip_draft(make_pools, heads, layers, drafts, pages):
     )
     assert host.layer_num == layers + drafts
     # Sizing counts every draft layer's payload and scale bytes.
-    assert host.get_size_per_token() == 2 * (layers + drafts) * (
-        heads * 128 + heads * 4
+    assert (
+        host.get_size_per_token()
+        == 2 * (layers + drafts) * (heads * 128 + heads * 4)
+        + 2 * host.host_page.seal_bytes // host.page_size
     )
     result = round_trip(device_pool, host, pages=pages, seed=pages, drafts=draft_pools)
     assert_exact(result)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat, ScaleGeometry
-from sglang_mxfp8_hicache.page import HostPage
+from sglang_mxfp8_hicache.page import seal_bytes
 
 PAGE_SIZE = 128
 """MXFP8's page size, and the default for the others."""
@@ -143,12 +143,19 @@ class HostPlan:
     kv_heads_per_rank: int
     payload_bytes_per_token: int
     scale_bytes_per_token: int
+    seal_bytes_per_token: int
     host_tokens: int
     host_tokens_without_scales: int
 
     @property
     def bytes_per_token(self) -> int:
-        return self.payload_bytes_per_token + self.scale_bytes_per_token
+        """The host pool's ``get_size_per_token()``: payload, scales and the
+        seals at the end of each part of a page (``page.seal_bytes``)."""
+        return (
+            self.payload_bytes_per_token
+            + self.scale_bytes_per_token
+            + self.seal_bytes_per_token
+        )
 
     @property
     def host_bytes(self) -> int:
@@ -202,10 +209,8 @@ def host_plan(
         head_num=heads, head_dim=model.head_dim, page_size=page_size, fmt=fmt
     )
     payload = 2 * scales.payload_bytes_per_token * model.layers
-    # Scales, and the seal at the end of each part of a page (page.seal_bytes).
-    scale = (
-        HostPage(k=scales, v=scales, layer_num=model.layers).bytes_per_token - payload
-    )
+    scale = 2 * scales.bytes_per_token * model.layers
+    seal = 2 * seal_bytes(page_size) // page_size
 
     def tokens(bytes_per_token: int) -> int:
         return host_tokens(
@@ -220,6 +225,7 @@ def host_plan(
         kv_heads_per_rank=heads,
         payload_bytes_per_token=payload,
         scale_bytes_per_token=scale,
-        host_tokens=tokens(payload + scale),
+        seal_bytes_per_token=seal,
+        host_tokens=tokens(payload + scale + seal),
         host_tokens_without_scales=tokens(payload),
     )

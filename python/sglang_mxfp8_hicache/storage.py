@@ -74,6 +74,10 @@ REFUSED_STORAGE_BACKENDS: dict[str, str] = {
 
 TESTED_MOONCAKE = "0.3.13.post1"
 
+GUARDED = "_sglang_mxfp8_hicache_guarded"
+"""Set on a backend instance once its methods are wrapped: keys must take the
+prefix once, and pages their seal once."""
+
 
 def storage_refusal(backend: str, fmt_name: str = "mxfp8") -> str | None:
     """Why ``backend`` cannot carry ``fmt_name`` pages, or None if it can."""
@@ -113,6 +117,10 @@ def guard_storage_backend(
     if reason is not None:
         raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, pool, **kwargs)
+    inner = getattr(backend, "_backend", backend)
+    if getattr(inner, GUARDED, False):  # the hook ran twice around one build
+        return backend
+    setattr(inner, GUARDED, True)
     if backend_name == "dynamic":
         _guard_dynamic(backend, pool, storage_config)
     else:

@@ -434,7 +434,8 @@ def cmd_size(args: argparse.Namespace) -> int:
     )
     print(
         f"scales: {plan.scale_bytes_per_token} B/token "
-        f"({100 * plan.scale_bytes_per_token / plan.payload_bytes_per_token:.3f} % of the payload)"
+        f"({100 * plan.scale_bytes_per_token / plan.payload_bytes_per_token:.3f} % of the payload); "
+        f"page seals: {plan.seal_bytes_per_token} B/token"
     )
     return 0
 
