@@ -253,12 +253,14 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             self.destroy()
             raise
         self.storage_format_tag = self.host_page.storage_format_tag()
-        scale_bytes = self.size * self.host_page.scale_bytes_per_token
+        page = self.host_page
+        scale_bytes = self.size * page.scale_bytes_per_token
+        seal_bytes = self.page_num * 2 * page.seal_bytes
         logger.info(
             "%s: %s HiCache host pool: --hicache-mem-layout %s and "
             "--hicache-io-backend %s are served by one owned %s page, %s; "
-            "%d tokens, payload %.3f GB + scales %.3f GB, moved as page chunks by "
-            "%s; loads in up to %d layer groups.",
+            "%d tokens, payload %.3f GB + scales %.3f GB (+ seals %.3f GB), moved "
+            "as page chunks by %s; loads in up to %d layer groups.",
             pool_label,
             fmt.name,
             layout,
@@ -266,8 +268,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             "heads-major" if self.host_page.heads_major else "layer-major",
             self.host_page.describe(),
             self.size,
-            (self.size * self.size_per_token - scale_bytes) / 1e9,
+            (self.size * self.size_per_token - scale_bytes - seal_bytes) / 1e9,
             scale_bytes / 1e9,
+            seal_bytes / 1e9,
             self._mover.name,
             len(self._load_plan(self._full_group_pages).prepared),
         )
