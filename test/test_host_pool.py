@@ -244,6 +244,22 @@ def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool, backend
         )
 
 
+def test_refuses_dynamic_storage_with_page_head(cpu_kernels, no_allocation, mxfp8_pool):
+    """A heads-major page has no seal to check a dynamic class's reads by:
+    refused before the pool allocates."""
+    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    with pytest.raises(MXFP8HiCacheConfigError, match="a heads-major page has none"):
+        MHATokenToKVPoolMXFP8Host(
+            info,
+            2.0,
+            0,
+            128,
+            "page_head",
+            allocator_type="dynamic",
+            **_kwargs(mxfp8_pool),
+        )
+
+
 def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
     # No cpu_kernels: the real platform gate of a CPU-only machine.
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info

@@ -657,7 +657,7 @@ def test_dynamic_backend_error_is_a_miss(make_pools, open_io, backend, caplog):
 def test_dynamic_refuses_a_heads_major_page(make_pools, storage_hooks):
     """A page_head page has no seal to check a dynamic class's reads by."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2, layout="page_head")
-    with pytest.raises(MXFP8HiCacheConfigError, match="heads-major page"):
+    with pytest.raises(MXFP8HiCacheConfigError, match="heads-major page has none"):
         StoragePageIO.open("dynamic", host, extra_config=dynamic_config(v1=False))
 
 

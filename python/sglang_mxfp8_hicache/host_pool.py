@@ -342,7 +342,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 f"({name}) KV state there whatever the host pool "
                 "(StateType.BLOCK_SCALE); leave the threshold at 1."
             )
-        storage_reason = storage_refusal(allocator_type, name)
+        storage_reason = storage_refusal(
+            allocator_type, name, sealed=layout != HEADS_MAJOR_LAYOUT
+        )
         if storage_reason is not None:
             raise refuse(storage_reason)
         if not current_platform.capabilities.hicache_device_kernels:

@@ -79,8 +79,23 @@ GUARDED = "_sglang_mxfp8_hicache_guarded"
 prefix once, and pages their seal once."""
 
 
-def storage_refusal(backend: str, fmt_name: str = "mxfp8") -> str | None:
-    """Why ``backend`` cannot carry ``fmt_name`` pages, or None if it can."""
+SEALED_BACKENDS = ("dynamic",)
+"""Served backends whose reads are checked by the pages' seals (``seal.py``)."""
+
+
+def storage_refusal(
+    backend: str, fmt_name: str = "mxfp8", *, sealed: bool = True
+) -> str | None:
+    """Why ``backend`` cannot carry ``fmt_name`` pages (with seals if
+    ``sealed``), or None if it can."""
+    if backend in SEALED_BACKENDS and not sealed:
+        return (
+            f"--hicache-storage-backend {backend} cannot store {fmt_name} pages "
+            "with --hicache-mem-layout page_head: its reads are checked by a seal "
+            "on each page, and a heads-major page has none (its head groups are "
+            "shared with ranks of other head counts). Use mooncake, or another "
+            "--hicache-mem-layout."
+        )
     if backend in (NO_STORAGE, *SUPPORTED_STORAGE_BACKENDS):
         return None
     reason = REFUSED_STORAGE_BACKENDS.get(backend, "it is not one SGLang 0.5.23 offers")
@@ -113,7 +128,7 @@ def guard_storage_backend(
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
     name = pool.host_page.fmt.name
-    reason = storage_refusal(backend_name, name)
+    reason = storage_refusal(backend_name, name, sealed=bool(pool.host_page.seal_bytes))
     if reason is not None:
         raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, pool, **kwargs)
@@ -127,12 +142,13 @@ def guard_storage_backend(
         _guard_reads(backend, backend_name)
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
-        "another size is a miss.",
+        "another size%s is a miss.",
         pool.pool_label,
         name,
         backend_name,
         pool.describe_storage_page(),
         pool.storage_format_tag,
+        " or seal" if backend_name in SEALED_BACKENDS else "",
     )
     return backend
 
@@ -178,16 +194,6 @@ and ``set`` are what its batch methods may call with the keys they were given.""
 def _guard_dynamic(backend: Any, pool: Any, storage_config: Any) -> None:
     """A dynamic class's keys carry the pool's format tag as a prefix, and its
     pages carry seals: written on the way to L3, checked on the way back."""
-    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
-
-    if not pool.host_page.seal_bytes:
-        raise MXFP8HiCacheConfigError(
-            f"{pool.pool_label}: --hicache-storage-backend dynamic needs a seal on "
-            "each page to check what a class brings back, and a heads-major page "
-            "(--hicache-mem-layout page_head) has none: its head groups are shared "
-            "with ranks of other head counts. Use mooncake, or another "
-            "--hicache-mem-layout."
-        )
     inner = getattr(backend, "_backend", backend)
     prefix = f"{pool.storage_format_tag}_"
     for name in KEYED_METHODS:
