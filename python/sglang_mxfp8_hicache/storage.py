@@ -230,7 +230,9 @@ def _page_parts(pool: Any, flat: torch.Tensor) -> list[Any]:
     """The K and V parts of one flat page (CPU), as uint8 arrays."""
     import torch
 
-    data = flat.view(torch.uint8).numpy()
+    # A view of a contiguous page (seals are written into host pages in place);
+    # a copy of any other reply, which is only read.
+    data = flat.reshape(-1).view(torch.uint8).numpy()
     k_span = pool.host_page.k_part.span_bytes
     return [data[:k_span], data[k_span:]]
 
@@ -242,11 +244,14 @@ def _seal_page(pool: Any, flat: torch.Tensor, key: str) -> None:
 
 
 def _page_is_sealed(pool: Any, flat: torch.Tensor, key: str) -> bool:
+    """Whether both parts of ``flat`` carry the seal of their bytes under
+    ``key``; a reply that cannot be read as one page's bytes does not."""
     seed = seal.key_seed(pool.storage_format_tag, key)
-    return all(
-        seal.holds(part, pool.host_page.seal_bytes, seed)
-        for part in _page_parts(pool, flat)
-    )
+    try:
+        parts = _page_parts(pool, flat)
+    except (RuntimeError, TypeError):  # not a contiguous CPU tensor
+        return False
+    return all(seal.holds(part, pool.host_page.seal_bytes, seed) for part in parts)
 
 
 def _host_pages(pool: Any, host_indices: torch.Tensor) -> list[torch.Tensor]:
