@@ -19,8 +19,10 @@ fetch must keep its bytes. Test ids name the backend and the planted fault.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import signal
 import uuid
 
 import pytest
@@ -73,10 +75,30 @@ def dynamic_config(v1: bool) -> dict:
     }
 
 
-@pytest.fixture(params=["file", "mooncake", "dynamic", "dynamic_v1"])
+@pytest.fixture(params=["file", "mooncake", "dynamic", "dynamic_v1", "hf3fs"])
 def backend(request, tmp_path, monkeypatch, storage_hooks):
     """(backend name, extra config) of a live backend."""
-    if request.param == "file":
+    if request.param == "hf3fs":
+        # SGLang's HiCacheHF3FS with its own mock of the 3FS usrbio client (a
+        # sparse local file, pread/pwrite at fixed slots) and in-process
+        # metadata; the real client needs a mounted 3FS.
+        config = tmp_path / "hf3fs.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "file_path_prefix": str(tmp_path / "hf3fs" / "kv"),
+                    "file_size": 1 << 30,
+                    "numjobs": 2,
+                    "entries": 8,
+                }
+            )
+        )
+        monkeypatch.setenv("SGLANG_HICACHE_HF3FS_CONFIG_PATH", str(config))
+        # It installs process-wide SIGINT/SIGTERM/SIGQUIT handlers that only
+        # close it; pytest keeps its own.
+        monkeypatch.setattr(signal, "signal", lambda *args: None)
+        yield "hf3fs", {"use_mock_hf3fs_client": True}
+    elif request.param == "file":
         monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
         yield "file", {"file_storage_path": str(tmp_path / "l3")}
     elif request.param == "mooncake":
@@ -101,6 +123,7 @@ def open_io(backend):
         opened.append(io)
         return io
 
+    open_.backend_name = name
     yield open_
     for io in opened:
         io.close()
@@ -402,6 +425,10 @@ def test_round_trip_asymmetric_heads(device, make_pools, open_io):
     """K head_dim 128, V head_dim 64 (MXFP8): the K and V parts differ in size,
     and the page comes back whole, both parts, under its own tag."""
     _, host = make_pools(heads=2, head_dim=128, v_head_dim=64, layers=3, pages=5)
+    if open_io.backend_name == "hf3fs":  # slots of the K part's size
+        with pytest.raises(MXFP8HiCacheConfigError, match="head dims differ"):
+            open_io(host)
+        return
     assert host.storage_format_tag == "mxfp8v3-l3h2d128v64p128"
     k, v = host.host_page.k_part, host.host_page.v_part
     assert k.span_bytes - k.seal_bytes == 2 * (v.span_bytes - v.seal_bytes)
@@ -531,10 +558,35 @@ def _dict_key(io: StoragePageIO, key: str) -> str:
     return io.storage_backend.store_key(f"{tag}_{key}")
 
 
+def _plant_hf3fs(io: StoragePageIO, key: str, fault: str) -> None:
+    """hf3fs keeps a page's K and V parts in fixed slots of one file:
+    ``missing`` forgets its keys, ``other_page`` copies another page's slots
+    over its own (what a writer of another geometry sharing the file does)."""
+    backend = io.storage_backend
+    tag = io.storage_host_pool.storage_format_tag
+    parts = [f"{tag}_{key}-k", f"{tag}_{key}-v"]
+    metadata = backend.metadata_client
+    if fault == "missing":
+        metadata.delete_keys(backend.rank, parts)
+        return
+    slots = metadata.get_page_indices(backend.rank, parts)
+    other = [i for i in range(slots[0] + 2, slots[0] + 6, 2) if i not in slots][0]
+    size = backend.bytes_per_page
+    with open(backend.file_path, "r+b") as f:
+        for slot, source in zip(slots, (other, other + 1), strict=True):
+            f.seek(source * size)
+            data = f.read(size)
+            f.seek(slot * size)
+            f.write(data)
+
+
 def _plant(io: StoragePageIO, key: str, fault: str) -> None:
     """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
     64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
     heads (both objects), ``missing`` the page, ``missing_part`` its V object."""
+    if io.backend_name == "hf3fs":
+        _plant_hf3fs(io, key, fault)
+        return
     if io.backend_name == "dynamic":
         store_key = _dict_key(io, key)
         if fault == "missing":
@@ -599,6 +651,8 @@ FAULTS = [
     ("dynamic", "missing"),
     ("dynamic_v1", "truncated"),
     ("dynamic_v1", "missing"),
+    ("hf3fs", "other_page"),
+    ("hf3fs", "missing"),
 ]
 
 
@@ -624,7 +678,9 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     with caplog.at_level(logging.WARNING):
         arrived = stored.fetch()
     assert arrived == 2
-    stored.check(2, misses_kept=not stored.io.zero_copy or backend[0] != "dynamic")
+    # Backends checked by seals read every page before it is judged.
+    sealed_in_place = stored.io.zero_copy and backend[0] in storage.SEALED_BACKENDS
+    stored.check(2, misses_kept=not sealed_in_place)
     ours = [r.getMessage() for r in caplog.records if r.name == storage.__name__]
     if fault == "missing":
         assert ours == []  # the backend's miss, logged by SGLang

@@ -343,7 +343,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "(StateType.BLOCK_SCALE); leave the threshold at 1."
             )
         storage_reason = storage_refusal(
-            allocator_type, name, sealed=layout != HEADS_MAJOR_LAYOUT
+            allocator_type,
+            name,
+            sealed=layout != HEADS_MAJOR_LAYOUT,
+            symmetric=buffer_info.v_head_dim == buffer_info.head_dim,
         )
         if storage_reason is not None:
             raise refuse(storage_reason)

@@ -50,7 +50,7 @@ FACTORY_HOOK_TARGET = (
 NO_STORAGE = "default"
 """``get_allocator_type()`` without ``--hicache-storage-backend``."""
 
-SUPPORTED_STORAGE_BACKENDS = ("file", "mooncake", "dynamic")
+SUPPORTED_STORAGE_BACKENDS = ("file", "mooncake", "dynamic", "hf3fs")
 """Backends whose every byte path goes through the pool's page methods, tested
 end to end: ``file`` reads and writes flat pages, ``mooncake`` registers
 ``get_hybrid_pool_buffer()`` and moves ``get_page_buffer_meta`` parts, and
@@ -58,7 +58,6 @@ end to end: ``file`` reads and writes flat pages, ``mooncake`` registers
 SGLang's zero-copy page functions)."""
 
 REFUSED_STORAGE_BACKENDS: dict[str, str] = {
-    "hf3fs": "it stores get_data_page(flat=False)'s K and V halves, which hold no scales",
     "nixl": "it registers only kv_buffer and reads flat pointers per page",
     "aibrix": "it checks every page against a bf16/fp8 block spec without scales",
     "eic": "it registers kv_buffer only and reads the page's non-flat shape",
@@ -79,15 +78,28 @@ GUARDED = "_sglang_mxfp8_hicache_guarded"
 prefix once, and pages their seal once."""
 
 
-SEALED_BACKENDS = ("dynamic",)
-"""Served backends whose reads are checked by the pages' seals (``seal.py``)."""
+SEALED_BACKENDS = ("dynamic", "hf3fs")
+"""Served backends whose reads are checked by the pages' seals (``seal.py``):
+they report no object sizes (``dynamic``), or read fixed slots whatever was
+written there (``hf3fs``). Their keys also get the format tag as a prefix:
+neither puts SGLang's model name, which carries the tag, in every key."""
 
 
 def storage_refusal(
-    backend: str, fmt_name: str = "mxfp8", *, sealed: bool = True
+    backend: str,
+    fmt_name: str = "mxfp8",
+    *,
+    sealed: bool = True,
+    symmetric: bool = True,
 ) -> str | None:
     """Why ``backend`` cannot carry ``fmt_name`` pages (with seals if
-    ``sealed``), or None if it can."""
+    ``sealed``; K and V parts of one size if ``symmetric``), or None if it can."""
+    if backend == "hf3fs" and not symmetric:
+        return (
+            f"--hicache-storage-backend hf3fs cannot store {fmt_name} pages whose K "
+            "and V head dims differ: it reads and writes both parts in slots of the "
+            "K part's size. Use file or mooncake."
+        )
     if backend in SEALED_BACKENDS and not sealed:
         return (
             f"--hicache-storage-backend {backend} cannot store {fmt_name} pages "
@@ -128,7 +140,13 @@ def guard_storage_backend(
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
     name = pool.host_page.fmt.name
-    reason = storage_refusal(backend_name, name, sealed=bool(pool.host_page.seal_bytes))
+    page = pool.host_page
+    reason = storage_refusal(
+        backend_name,
+        name,
+        sealed=bool(page.seal_bytes),
+        symmetric=page.k_part.span_bytes == page.v_part.span_bytes,
+    )
     if reason is not None:
         raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
     backend = original(factory, backend_name, storage_config, pool, **kwargs)
@@ -136,8 +154,8 @@ def guard_storage_backend(
     if getattr(inner, GUARDED, False):  # the hook ran twice around one build
         return backend
     setattr(inner, GUARDED, True)
-    if backend_name == "dynamic":
-        _guard_dynamic(backend, pool, storage_config)
+    if backend_name in SEALED_BACKENDS:
+        _guard_sealed(backend, pool, storage_config, backend_name)
     else:
         _guard_reads(backend, backend_name)
     logger.info(
@@ -191,16 +209,22 @@ with page keys. Only these take the prefix: a class's own ``exists``, ``get``
 and ``set`` are what its batch methods may call with the keys they were given."""
 
 
-def _guard_dynamic(backend: Any, pool: Any, storage_config: Any) -> None:
-    """A dynamic class's keys carry the pool's format tag as a prefix, and its
-    pages carry seals: written on the way to L3, checked on the way back."""
+def _guard_sealed(
+    backend: Any, pool: Any, storage_config: Any, backend_name: str
+) -> None:
+    """The backend's keys carry the pool's format tag as a prefix, and its
+    pages carry seals: written on the way to L3, checked on the way back,
+    through whichever page functions SGLang's controller uses with it
+    (zero-copy for hf3fs and a dynamic class with ``interface_v1``)."""
     inner = getattr(backend, "_backend", backend)
     prefix = f"{pool.storage_format_tag}_"
     for name in KEYED_METHODS:
         method = getattr(inner, name, None)
         if method is not None:
             setattr(inner, name, _with_key_prefix(method, prefix))
-    v1 = bool((storage_config.extra_config or {}).get("interface_v1", 0))
+    v1 = backend_name == "hf3fs" or bool(
+        (storage_config.extra_config or {}).get("interface_v1", 0)
+    )
     checks = (
         {"batch_set_v1": _sealed_set_v1, "batch_get_v1": _checked_get_v1}
         if v1
@@ -266,8 +290,7 @@ def _read_or_log(read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return read(*args, **kwargs)
     except Exception as exc:
         logger.warning(
-            "L3: the dynamic backend raised %r on a read; its pages are treated as "
-            "not in L3.",
+            "L3: the backend raised %r on a read; its pages are treated as not in L3.",
             exc,
         )
         return None
@@ -318,9 +341,9 @@ def _checked_get(
     wrong: list[WrongPage] = []
     returned = len(keys)
     for page, (key, result) in enumerate(zip(keys, results, strict=True)):
-        if result is None:
-            returned = min(returned, page)
-            continue
+        if result is None:  # SGLang takes no page after a miss
+            returned = page
+            break
         found = result.numel() * result.element_size()
         if found != expected or not _page_is_sealed(pool, result, key):
             wrong.append((page, key, found, expected))
@@ -335,9 +358,11 @@ def _checked_get_v1(
     host_indices: torch.Tensor,
     extra_info: Any = None,
 ) -> list[bool]:
-    """A zero-copy ``batch_get_v1``: the leading pages the class says it read
-    whose bytes carry their seal. The class writes the prefetch's own host
-    pages, which SGLang frees past the last page that arrived."""
+    """A zero-copy ``batch_get_v1``: the leading pages the backend says it
+    read whose bytes carry their seal. It writes the prefetch's own host pages,
+    which SGLang frees past the last page that arrived, and takes no page
+    after a miss, so none is judged (hf3fs reads the pages found after a
+    missing one into the targets of the pages before them)."""
     results = _read_or_log(read, keys, host_indices, extra_info)
     if results is None:
         return [False] * len(keys)
@@ -347,8 +372,9 @@ def _checked_get_v1(
     pages = _host_pages(pool, host_indices)
     for page, (key, hit, flat) in enumerate(zip(keys, results, pages, strict=True)):
         if not hit:
-            returned = min(returned, page)
-        elif not _page_is_sealed(pool, flat, key):
+            returned = page
+            break
+        if not _page_is_sealed(pool, flat, key):
             wrong.append((page, key, UNSEALED, expected))
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*[True] * good, *[False] * (len(keys) - good)]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-ZERO_COPY_BACKENDS = ("mooncake",)
+ZERO_COPY_BACKENDS = ("mooncake", "hf3fs")
 """The backends we serve that SGLang's controller drives through batch_*_v1,
 besides ``dynamic`` with ``interface_v1``."""
 
