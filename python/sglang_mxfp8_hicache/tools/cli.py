@@ -651,12 +651,12 @@ def geometries(text: str) -> tuple[tuple[int, int, int], ...]:
 
 
 def l3_backend(text: str) -> str:
-    from sglang_mxfp8_hicache.storage import SUPPORTED_STORAGE_BACKENDS
+    from sglang_mxfp8_hicache.tools.bench_l3 import BACKENDS
 
-    if text not in SUPPORTED_STORAGE_BACKENDS:
+    if text not in BACKENDS:
         raise argparse.ArgumentTypeError(
-            f"must be {' or '.join(SUPPORTED_STORAGE_BACKENDS)} (the L3 backends "
-            f"that store MXFP8 pages), got {text!r}"
+            f"must be {' or '.join(BACKENDS)} (the L3 backends bench --l3 times), "
+            f"got {text!r}"
         )
     return text
 
