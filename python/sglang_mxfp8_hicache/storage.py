@@ -17,12 +17,13 @@ pool of ours it
   longer file into the page without a word and raises on a shorter one (which
   costs the whole batch), and Mooncake writes the parts of a page that are
   fine into host memory before it fails the part that is not;
-* for ``dynamic``, a class SGLang loads by module path, which reports no
-  object sizes, prefixes every key with the pool's format tag (the class may
-  leave the model name out of its keys) and seals each page on its way to L3
+* for ``dynamic`` (a class SGLang loads by module path, which reports no
+  object sizes) and ``hf3fs`` (fixed slots of a shared file, read whatever was
+  last written there), prefixes every key with the pool's format tag (neither
+  puts the model name in every key) and seals each page on its way to L3
   (``seal.py``): a read that raises, returns a page of another size, or
   brings a page whose seal does not match its bytes and key is a miss. A
-  zero-copy class writes the prefetch's own host pages, which SGLang frees
+  zero-copy backend writes the prefetch's own host pages, which SGLang frees
   past the last page that arrived.
 
 Every other pool's backend is left to SGLang unchanged.
@@ -345,8 +346,10 @@ def _checked_get(
             returned = page
             break
         found = result.numel() * result.element_size()
-        if found != expected or not _page_is_sealed(pool, result, key):
+        if found != expected:
             wrong.append((page, key, found, expected))
+        elif not _page_is_sealed(pool, result, key):
+            wrong.append((page, key, UNSEALED, expected))
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*results[:good], *[None] * (len(keys) - good)]
 
@@ -384,7 +387,7 @@ WrongPage = tuple[int, str, int, int]
 """(page in the batch, its first wrong object or file, size found, size expected)."""
 
 UNSEALED = -2
-"""Size found for a page of a backend that reports no sizes, whose seal failed."""
+"""Size found for a page of the right size whose seal does not match."""
 
 
 def _leading_good_pages(wrong: list[WrongPage], pages: int) -> int:
