@@ -189,13 +189,7 @@ def _guard_reads(backend: Any, backend_name: str) -> None:
             "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
             f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
         )
-    read = getattr(inner, method)
-
-    @functools.wraps(read)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        return check(read, inner, *args, **kwargs)
-
-    setattr(inner, method, checked)
+    setattr(inner, method, _bind(check, getattr(inner, method), inner))
 
 
 KEYED_METHODS = (
@@ -235,10 +229,12 @@ def _guard_sealed(
         setattr(inner, name, _bind(check, getattr(inner, name), pool))
 
 
-def _bind(check: Callable[..., Any], method: Callable[..., Any], pool: Any):
+def _bind(check: Callable[..., Any], method: Callable[..., Any], context: Any):
+    """``method`` run through ``check(method, context, ...)``."""
+
     @functools.wraps(method)
     def checked(*args: Any, **kwargs: Any) -> Any:
-        return check(method, pool, *args, **kwargs)
+        return check(method, context, *args, **kwargs)
 
     return checked
 
