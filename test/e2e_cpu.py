@@ -2,7 +2,7 @@
 run for real, the kernels are the emulations of ``kernel_emulation`` and pinned
 host memory is plain memory.
 
-    python test/e2e_cpu.py MODE SETUP[,SETUP...]
+    python test/e2e_cpu.py MODE SETUP[,SETUP...] [L3_BACKEND]
 
 One process per mode, since the plugin hook is process-wide; prints one JSON
 verdict per setup, as ``python -m sglang_mxfp8_hicache.tools.e2e`` does on a GPU.
@@ -21,27 +21,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 from kernel_emulation import install_stack_emulation  # noqa: E402
 
 
-def run_cpu(modes, setups, timeout: float = 600) -> dict[str, dict]:
+def run_cpu(
+    modes, setups, timeout: float = 600, l3: str | None = None, l3_config=None
+) -> dict[str, dict]:
     """``main`` in a fresh process per mode; the verdicts keyed as
-    ``tools.e2e.run_modes`` keys them."""
+    ``tools.e2e.run_modes`` keys them. ``l3``: then through that L3 backend,
+    with ``l3_config`` as its extra config where it needs one."""
     import subprocess
 
-    from sglang_mxfp8_hicache.tools.e2e import verdict_key
+    from sglang_mxfp8_hicache.tools.e2e import L3_CONFIG_ENV, verdict_key
 
+    env = dict(os.environ)
+    if l3_config is not None:
+        env[L3_CONFIG_ENV] = json.dumps(l3_config)
     verdicts = {}
     for mode in modes:
         done = subprocess.run(
-            [sys.executable, __file__, mode, ",".join(setups)],
+            [sys.executable, __file__, mode, ",".join(setups), *([l3] if l3 else [])],
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
+            env=env,
         )
         if done.returncode:
             raise RuntimeError(f"e2e_cpu {mode}: {done.stderr.strip()[-2000:]}")
         for line in done.stdout.splitlines():
-            verdict = json.loads(line)
-            verdicts[verdict_key(verdict)] = verdict
+            if line.startswith("{"):  # NIXL logs to stdout too
+                verdict = json.loads(line)
+                verdicts[verdict_key(verdict)] = verdict
     return verdicts
 
 
@@ -68,9 +76,10 @@ def main() -> None:
     from sglang_mxfp8_hicache.tools.e2e import run_setups
 
     mode, setups = sys.argv[1], sys.argv[2].split(",")
+    l3 = sys.argv[3] if len(sys.argv) > 3 else None
     with pytest.MonkeyPatch.context() as monkeypatch:
         install_stack_emulation(monkeypatch)
-        for verdict in run_setups(mode, setups, device="cpu"):
+        for verdict in run_setups(mode, setups, l3, device="cpu"):
             print(json.dumps(verdict), flush=True)
 
 

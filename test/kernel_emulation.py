@@ -625,6 +625,22 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
 
+    def unpinned(get_page):
+        """A flat page target that a pinned pool would pin (the generic L3 read)."""
+
+        def wrapped(self):
+            pinned, self.pin_memory = self.pin_memory, False
+            try:
+                return get_page(self)
+            finally:
+                self.pin_memory = pinned
+
+        return wrapped
+
+    for cls in (MHATokenToKVPoolHost, host_pool.MHATokenToKVPoolMXFP8Host):
+        get_page = cls.__dict__["get_dummy_flat_data_page"]
+        monkeypatch.setattr(cls, "get_dummy_flat_data_page", unpinned(get_page))
+
     def registering(init, buffers):
         def wrapped(self, *args, **kwargs):
             result = init(self, *args, **kwargs)

@@ -19,14 +19,14 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def verdicts():
-    return run_modes(l3=("file",), setups=SETUPS)
+    return run_modes(l3=("file", "hf3fs", "nixl"), setups=SETUPS)
 
 
 @pytest.fixture(scope="module")
 def mooncake_verdict(mooncake):
-    return run_modes(
-        modes=(), l3=("mooncake",), mooncake_config=mooncake.extra_config()
-    )["ours+mooncake"]
+    return run_modes(modes=(), l3=("mooncake",), l3_config=mooncake.extra_config())[
+        "ours+mooncake"
+    ]
 
 
 @pytest.mark.parametrize("mode", ["ours", "sglang"])
@@ -70,8 +70,7 @@ def _assert_l3_exact(v: dict, backend: str) -> None:
     assert l3["backend"] == backend
     # The refused backend named itself and left the controller as it was.
     assert (
-        "--hicache-storage-backend nixl cannot store mxfp8 pages"
-        in l3["refused_attach"]
+        "--hicache-storage-backend sim cannot store mxfp8 pages" in l3["refused_attach"]
     )
     assert l3["refusal_left_controller_clean"]
     tokens = l3["pages"] * 128
@@ -82,8 +81,9 @@ def _assert_l3_exact(v: dict, backend: str) -> None:
     assert l3["format_tag"].startswith("mxfp8v3-l4h8d128p128"), l3
 
 
-def test_l3_file(verdicts):
-    _assert_l3_exact(verdicts["ours+file"], "file")
+@pytest.mark.parametrize("backend", ["file", "hf3fs", "nixl"])
+def test_l3(verdicts, backend):
+    _assert_l3_exact(verdicts[f"ours+{backend}"], backend)
 
 
 def test_l3_mooncake(mooncake_verdict):

@@ -19,7 +19,6 @@ fetch must keep its bytes. Test ids name the backend and the planted fault.
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,12 @@ from sglang_mxfp8_hicache.host_pool import (
     MXFP8HiCacheConfigError,
 )
 from sglang_mxfp8_hicache.page import STORAGE_FORMAT_VERSION, PagePart
-from sglang_mxfp8_hicache.tools.l3 import StoragePageIO, page_hashes
+from sglang_mxfp8_hicache.tools.l3 import (
+    LOCAL_BACKENDS,
+    StoragePageIO,
+    local_backend,
+    page_hashes,
+)
 from sglang_mxfp8_hicache.tools.selfcheck import (
     PAGE_SIZE,
     build_device_pool,
@@ -75,32 +79,22 @@ def dynamic_config(v1: bool) -> dict:
     }
 
 
-@pytest.fixture(params=["file", "mooncake", "dynamic", "dynamic_v1", "hf3fs"])
+@pytest.fixture(params=["file", "mooncake", "dynamic", "dynamic_v1", "hf3fs", "nixl"])
 def backend(request, tmp_path, monkeypatch, storage_hooks):
-    """(backend name, extra config) of a live backend."""
-    if request.param == "hf3fs":
-        # SGLang's HiCacheHF3FS with its own mock of the 3FS usrbio client (a
-        # sparse local file, pread/pwrite at fixed slots) and in-process
-        # metadata; the real client needs a mounted 3FS.
-        config = tmp_path / "hf3fs.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "file_path_prefix": str(tmp_path / "hf3fs" / "kv"),
-                    "file_size": 1 << 30,
-                    "numjobs": 2,
-                    "entries": 8,
-                }
-            )
-        )
-        monkeypatch.setenv("SGLANG_HICACHE_HF3FS_CONFIG_PATH", str(config))
-        # It installs process-wide SIGINT/SIGTERM/SIGQUIT handlers that only
-        # close it; pytest keeps its own.
-        monkeypatch.setattr(signal, "signal", lambda *args: None)
-        yield "hf3fs", {"use_mock_hf3fs_client": True}
-    elif request.param == "file":
-        monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
-        yield "file", {"file_storage_path": str(tmp_path / "l3")}
+    """(backend name, extra config) of a live backend: ``tools.l3.local_backend``
+    for file, hf3fs and nixl (in a directory of the test)."""
+    if request.param in LOCAL_BACKENDS:
+        if request.param == "hf3fs":
+            # It installs process-wide SIGINT/SIGTERM/SIGQUIT handlers that
+            # only close it; pytest keeps its own.
+            monkeypatch.setattr(signal, "signal", lambda *args: None)
+        local = local_backend(request.param, str(tmp_path))
+        for name, value in local.env.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        yield request.param, local.extra_config
     elif request.param == "mooncake":
         yield "mooncake", request.getfixturevalue("mooncake").extra_config()
     else:
@@ -439,7 +433,7 @@ def test_round_trip_asymmetric_heads(device, make_pools, open_io):
 
 
 @on_cpu
-@file_only
+@pytest.mark.parametrize("backend", ["file", "hf3fs", "nixl"], indirect=True)
 @pytest.mark.parametrize(
     "writer, reader",
     [
@@ -449,10 +443,12 @@ def test_round_trip_asymmetric_heads(device, make_pools, open_io):
     ],
     ids=lambda layout: layout,
 )
-def test_layer_first_pool_round_trips_through_file(make_pools, open_io, writer, reader):
+def test_layer_first_pool_round_trips(make_pools, open_io, writer, reader):
     """The factory hook gives a layer_first pool its backend (the host page is
     the same span in every layout), and its pages come back byte for byte;
-    under one model name, pages one layout stored load into a pool of another."""
+    under one model name, pages one layout stored load into a pool of another
+    (hf3fs and nixl store a layer_first page as one flat object, a page_first
+    one as two parts: one layout's pages are a miss for the other there)."""
     model = f"layouts-{uuid.uuid4().hex[:8]}"
     pools = {
         layout: make_pools(heads=4, head_dim=128, layers=2, pages=5, layout=layout)[1]
@@ -462,6 +458,11 @@ def test_layer_first_pool_round_trips_through_file(make_pools, open_io, writer, 
     ios = {layout: open_io(pool, model) for layout, pool in pools.items()}
     assert ios[reader].storage_backend.mem_pool_host is pools[reader]
     stored = Stored(ios[writer], pages=5, seed=17, reader=ios[reader])
+    if writer != reader and open_io.backend_name != "file":
+        assert stored.io.hit_query(stored.tokens) == []
+        assert stored.fetch() == 0
+        stored.check(0)
+        return
     assert stored.io.hit_query(stored.tokens) == stored.hashes
     assert stored.fetch() == 5
     stored.check(5)
@@ -580,12 +581,54 @@ def _plant_hf3fs(io: StoragePageIO, key: str, fault: str) -> None:
             f.write(data)
 
 
+def _plant_nixl(io: StoragePageIO, key: str, fault: str) -> None:
+    """NIXL keeps a page's K and V parts in two files (page_first):
+    ``stale_tail`` overwrites the first half of the K file in place, as a
+    smaller object rewritten under the key does (NIXL opens without O_TRUNC);
+    ``other_page`` copies another page's files over its own."""
+    backend = io.storage_backend
+    [k_path, v_path] = [
+        backend.file_manager.get_file_path(name)
+        for name in backend._get_key_list_from_meta([key])
+    ]
+    if fault == "missing":
+        os.remove(k_path)
+        os.remove(v_path)
+        return
+    size = os.path.getsize(k_path)
+    if fault == "other_page":
+        root = os.path.dirname(os.path.dirname(k_path))  # above the buckets
+        other_k = min(
+            os.path.join(d, f)
+            for d, _, files in os.walk(root)
+            for f in files
+            if f.endswith("_k") and os.path.join(d, f) != k_path
+        )
+        other_v = backend.file_manager.get_file_path(
+            os.path.basename(other_k)[:-2] + "_v"
+        )
+        for source, target in ((other_k, k_path), (other_v, v_path)):
+            with open(source, "rb") as f, open(target, "wb") as g:
+                g.write(f.read())
+        return
+    if fault == "stale_tail":
+        with open(k_path, "r+b") as f:
+            f.write(os.urandom(size // 2))
+        return
+    new_size = {"truncated": size - 1, "longer": size + 64}[fault]
+    with open(k_path, "wb") as f:
+        f.write(os.urandom(new_size))
+
+
 def _plant(io: StoragePageIO, key: str, fault: str) -> None:
     """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
     64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
     heads (both objects), ``missing`` the page, ``missing_part`` its V object."""
     if io.backend_name == "hf3fs":
         _plant_hf3fs(io, key, fault)
+        return
+    if io.backend_name == "nixl":
+        _plant_nixl(io, key, fault)
         return
     if io.backend_name == "dynamic":
         store_key = _dict_key(io, key)
@@ -653,6 +696,11 @@ FAULTS = [
     ("dynamic_v1", "missing"),
     ("hf3fs", "other_page"),
     ("hf3fs", "missing"),
+    ("nixl", "truncated"),
+    ("nixl", "longer"),
+    ("nixl", "stale_tail"),
+    ("nixl", "other_page"),
+    ("nixl", "missing"),
 ]
 
 
@@ -710,11 +758,27 @@ def test_dynamic_backend_error_is_a_miss(make_pools, open_io, backend, caplog):
 
 
 @on_cpu
-def test_dynamic_refuses_a_heads_major_page(make_pools, storage_hooks):
-    """A page_head page has no seal to check a dynamic class's reads by."""
+@pytest.mark.parametrize("backend", ["dynamic", "hf3fs", "nixl"], indirect=True)
+def test_sealed_backend_refuses_a_heads_major_page(make_pools, open_io, backend):
+    """A page_head page has no seal to check these backends' reads by."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2, layout="page_head")
     with pytest.raises(MXFP8HiCacheConfigError, match="heads-major page has none"):
-        StoragePageIO.open("dynamic", host, extra_config=dynamic_config(v1=False))
+        open_io(host)
+
+
+@on_cpu
+@pytest.mark.parametrize("setting", ["config", "env"])
+def test_nixl_refuses_direct_io(make_pools, storage_hooks, monkeypatch, setting):
+    """O_DIRECT moves 4 KiB multiples; a sealed page part is not one. Refused
+    whether O_DIRECT comes from NIXL's default, the extra config or the
+    environment, naming both switches."""
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    extra_config = {"use_direct_io": True} if setting == "config" else {}
+    monkeypatch.setenv("SGLANG_HICACHE_NIXL_USE_DIRECT_IO", "1")
+    with pytest.raises(MXFP8HiCacheConfigError) as refused:
+        StoragePageIO.open("nixl", host, extra_config=extra_config)
+    assert '"use_direct_io": false' in str(refused.value)
+    assert "SGLANG_HICACHE_NIXL_USE_DIRECT_IO=0" in str(refused.value)
 
 
 DYNAMIC_CUTS = [
@@ -808,8 +872,8 @@ def test_factory_leaves_other_pools_alone(bf16_host, storage_hooks, tmp_path):
         "file", bf16_host, extra_config={"file_storage_path": str(tmp_path)}
     )
     assert io.storage_backend.mem_pool_host is bf16_host
-    with pytest.raises(Exception) as raised:
-        StoragePageIO.open("nixl", bf16_host)
+    with pytest.raises(Exception) as raised:  # SGLang's own: no EIC SDK here
+        StoragePageIO.open("eic", bf16_host)
     assert not isinstance(raised.value, MXFP8HiCacheConfigError)
 
 
@@ -963,3 +1027,37 @@ def test_page_head_page_of_another_head_count_is_a_miss(
     finally:
         for io in (writer, reader):
             io.close()
+
+
+# -- through SGLang's cache controller -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "l3", ["file", "hf3fs", "nixl", "mooncake", "dynamic", "dynamic_v1"]
+)
+def test_controller_attach_round_trip_detach(l3, request):
+    """SGLang's admin path on the CPU (``tools.e2e`` with the kernel
+    emulations, in a fresh process): ``attach_storage_backend`` of a refused
+    backend leaves the controller as it was; then the backend is attached,
+    host pages go to L3 through the backup thread, are evicted and their host
+    bytes overwritten, come back through the hit query and the prefetch
+    thread, are loaded to the device (payload and scales exact, untouched
+    pages kept), and the backend is detached."""
+    from e2e_cpu import run_cpu
+
+    name, config = l3, None
+    if l3 == "mooncake":
+        config = request.getfixturevalue("mooncake").extra_config()
+    elif l3.startswith("dynamic"):
+        name, config = "dynamic", dynamic_config(v1=l3 == "dynamic_v1")
+    [verdict] = run_cpu(["ours"], ["kv"], l3=name, l3_config=config).values()
+    assert "error" not in verdict, verdict["error"]
+    result = verdict["l3"]
+    assert "--hicache-storage-backend sim cannot store" in result["refused_attach"]
+    assert result["refusal_left_controller_clean"]
+    tokens = result["pages"] * PAGE_SIZE
+    assert result["stored_tokens"] == result["hit_tokens"] == tokens, result
+    assert result["fetched_tokens"] == tokens, result
+    assert result["payload_restored"] and result["scales_restored"], result
+    assert result["dequantized_max_diff"] == 0.0, result
+    assert result["untouched_pages_kept"], result

@@ -51,15 +51,22 @@ FACTORY_HOOK_TARGET = (
 NO_STORAGE = "default"
 """``get_allocator_type()`` without ``--hicache-storage-backend``."""
 
-SUPPORTED_STORAGE_BACKENDS = ("file", "mooncake", "dynamic", "hf3fs")
+SUPPORTED_STORAGE_BACKENDS = ("file", "mooncake", "dynamic", "hf3fs", "nixl")
 """Backends whose every byte path goes through the pool's page methods, tested
 end to end: ``file`` reads and writes flat pages, ``mooncake`` registers
-``get_hybrid_pool_buffer()`` and moves ``get_page_buffer_meta`` parts, and
-``dynamic`` classes do either (``interface_v1`` in the extra config picks
-SGLang's zero-copy page functions)."""
+``get_hybrid_pool_buffer()`` and moves ``get_page_buffer_meta`` parts,
+``hf3fs`` reads and writes the parts of ``get_data_page(flat=False)``,
+``nixl`` registers ``kv_buffer`` and moves the parts (page_first) or copies
+flat pages through its bounce buffers (layer_first), and ``dynamic`` classes
+do either (``interface_v1`` in the extra config picks SGLang's zero-copy page
+functions)."""
+
+ZERO_COPY_BACKENDS = ("mooncake", "hf3fs", "nixl")
+"""The served backends SGLang's cache controller drives through its zero-copy
+page functions (``batch_*_v1``), besides ``dynamic`` with ``interface_v1``
+(``cache_controller.py:645-661``)."""
 
 REFUSED_STORAGE_BACKENDS: dict[str, str] = {
-    "nixl": "it registers only kv_buffer and reads flat pointers per page",
     "aibrix": "it checks every page against a bf16/fp8 block spec without scales",
     "eic": "it registers kv_buffer only and reads the page's non-flat shape",
     "simm": "it expects one flat pointer and size per K and V page",
@@ -79,11 +86,23 @@ GUARDED = "_sglang_mxfp8_hicache_guarded"
 prefix once, and pages their seal once."""
 
 
-SEALED_BACKENDS = ("dynamic", "hf3fs")
+SEALED_BACKENDS = ("dynamic", "hf3fs", "nixl")
 """Served backends whose reads are checked by the pages' seals (``seal.py``):
-they report no object sizes (``dynamic``), or read fixed slots whatever was
-written there (``hf3fs``). Their keys also get the format tag as a prefix:
-neither puts SGLang's model name, which carries the tag, in every key."""
+they report no object sizes (``dynamic``), read fixed slots whatever was
+written there (``hf3fs``), or read a longer file's first bytes and rewrite a
+file in place, leaving a longer one's tail (``nixl``)."""
+
+KEY_PREFIXED_BACKENDS = ("dynamic", "hf3fs")
+"""Sealed backends whose keys get the format tag as a prefix: neither puts
+SGLang's model name, which carries the tag, in every key."""
+
+
+def nixl_direct_io(extra_config: dict | None) -> bool:
+    """Whether NIXL opens its files with O_DIRECT: SGLang's own reading of
+    ``use_direct_io`` in the extra config, else ``SGLANG_HICACHE_NIXL_USE_DIRECT_IO``."""
+    from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlBackendConfig
+
+    return NixlBackendConfig(extra_config or {}).get_use_direct_io()
 
 
 def storage_refusal(
@@ -92,9 +111,19 @@ def storage_refusal(
     *,
     sealed: bool = True,
     symmetric: bool = True,
+    direct_io: bool = False,
 ) -> str | None:
     """Why ``backend`` cannot carry ``fmt_name`` pages (with seals if
-    ``sealed``; K and V parts of one size if ``symmetric``), or None if it can."""
+    ``sealed``; K and V parts of one size if ``symmetric``; through O_DIRECT
+    files if ``direct_io``), or None if it can."""
+    if backend == "nixl" and direct_io:
+        return (
+            f"--hicache-storage-backend nixl cannot store {fmt_name} pages with "
+            "O_DIRECT: it moves whole page parts, and a part of these pages (its "
+            'seal included) is not a multiple of 4 KiB. Set "use_direct_io": '
+            "false in --hicache-storage-backend-extra-config (or "
+            "SGLANG_HICACHE_NIXL_USE_DIRECT_IO=0)."
+        )
     if backend == "hf3fs" and not symmetric:
         return (
             f"--hicache-storage-backend hf3fs cannot store {fmt_name} pages whose K "
@@ -147,6 +176,8 @@ def guard_storage_backend(
         name,
         sealed=bool(page.seal_bytes),
         symmetric=page.k_part.span_bytes == page.v_part.span_bytes,
+        direct_io=backend_name == "nixl"
+        and nixl_direct_io(storage_config.extra_config),
     )
     if reason is not None:
         raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
@@ -155,10 +186,10 @@ def guard_storage_backend(
     if getattr(inner, GUARDED, False):  # the hook ran twice around one build
         return backend
     setattr(inner, GUARDED, True)
+    if backend_name in SIZE_CHECKS:
+        _guard_reads(backend, backend_name)
     if backend_name in SEALED_BACKENDS:
         _guard_sealed(backend, pool, storage_config, backend_name)
-    else:
-        _guard_reads(backend, backend_name)
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
         "another size%s is a miss.",
@@ -175,10 +206,7 @@ def guard_storage_backend(
 def _guard_reads(backend: Any, backend_name: str) -> None:
     """Wrap the read the controller calls on this backend instance (the inner
     one under SGLang's test failure injector) with its size check."""
-    method, check = {
-        "file": ("batch_get", _file_batch_get_checked),
-        "mooncake": ("batch_get_v1", _mooncake_batch_get_checked),
-    }[backend_name]
+    method, check = SIZE_CHECKS[backend_name]
     inner = getattr(backend, "_backend", backend)
     if backend_name == "mooncake" and not hasattr(
         inner.store, "batch_get_replica_desc"
@@ -207,17 +235,18 @@ and ``set`` are what its batch methods may call with the keys they were given.""
 def _guard_sealed(
     backend: Any, pool: Any, storage_config: Any, backend_name: str
 ) -> None:
-    """The backend's keys carry the pool's format tag as a prefix, and its
-    pages carry seals: written on the way to L3, checked on the way back,
-    through whichever page functions SGLang's controller uses with it
-    (zero-copy for hf3fs and a dynamic class with ``interface_v1``)."""
+    """The backend's pages carry seals: written on the way to L3, checked on
+    the way back, through whichever page functions SGLang's controller uses
+    with it; where its keys lack the model name, they carry the pool's format
+    tag as a prefix."""
     inner = getattr(backend, "_backend", backend)
-    prefix = f"{pool.storage_format_tag}_"
-    for name in KEYED_METHODS:
-        method = getattr(inner, name, None)
-        if method is not None:
-            setattr(inner, name, _with_key_prefix(method, prefix))
-    v1 = backend_name == "hf3fs" or bool(
+    if backend_name in KEY_PREFIXED_BACKENDS:
+        prefix = f"{pool.storage_format_tag}_"
+        for name in KEYED_METHODS:
+            method = getattr(inner, name, None)
+            if method is not None:
+                setattr(inner, name, _with_key_prefix(method, prefix))
+    v1 = backend_name in ZERO_COPY_BACKENDS or bool(
         (storage_config.extra_config or {}).get("interface_v1", 0)
     )
     checks = (
@@ -460,6 +489,54 @@ def _mooncake_batch_get_checked(
     )
     return [*results, *[False] * (len(keys) - good)]
 
+
+def _nixl_batch_get_checked(
+    read: Callable[..., Any],
+    backend: Any,
+    keys: list[str],
+    host_indices: torch.Tensor,
+    extra_info: Any = None,
+) -> list[bool]:
+    """``HiCacheNixl.batch_get_v1`` on files, reading only the leading pages
+    whose files all exist with exactly the sizes the pool asks for: NIXL fails
+    the whole batch on one missing or short file, and reads a longer one's
+    first bytes. Object plugins (no files) are left to the seals."""
+    if not keys or backend.file_manager is None:
+        return read(keys, host_indices, extra_info)
+    page = backend.mem_pool_host.host_page
+    if backend.is_zero_copy:  # a file per part
+        names = backend._get_key_list_from_meta(keys)
+        sizes = [page.k_part.span_bytes, page.v_part.span_bytes] * len(keys)
+    else:  # a file per flat page, through NIXL's bounce buffer
+        names = [backend._get_suffixed_key(key) for key in keys]
+        sizes = [page.span_bytes] * len(keys)
+    per_page = len(names) // len(keys)
+    wrong: list[WrongPage] = []
+    present = len(keys)
+    for n, (name, expected) in enumerate(zip(names, sizes, strict=True)):
+        try:
+            found = os.path.getsize(backend.file_manager.get_file_path(name))
+        except OSError:
+            present = n // per_page
+            break
+        if found != expected and (not wrong or wrong[-1][0] != n // per_page):
+            wrong.append((n // per_page, name, found, expected))
+    good = min(present, _leading_good_pages(wrong, len(keys)))
+    page_size = len(host_indices) // len(keys)
+    results = (
+        read(keys[:good], host_indices[: good * page_size], extra_info) if good else []
+    )
+    return [*results, *[False] * (len(keys) - good)]
+
+
+SIZE_CHECKS: dict[str, tuple[str, Callable[..., Any]]] = {
+    "file": ("batch_get", _file_batch_get_checked),
+    "mooncake": ("batch_get_v1", _mooncake_batch_get_checked),
+    "nixl": ("batch_get_v1", _nixl_batch_get_checked),
+}
+"""Per backend whose stored objects have a size to ask for: the read the
+controller calls, and the check that reads only the leading pages of the
+pool's exact size."""
 
 MISSING = -1
 """Size reported for an object the master does not know."""

@@ -296,7 +296,7 @@ def _check_e2e_l3() -> tuple[str, str]:
     if mooncake_missing is None:
         with MooncakeLoopback() as service:
             verdicts |= run_modes(
-                modes=(), l3=("mooncake",), mooncake_config=service.extra_config()
+                modes=(), l3=("mooncake",), l3_config=service.extra_config()
             )
     details, ok = [], True
     for key, v in verdicts.items():

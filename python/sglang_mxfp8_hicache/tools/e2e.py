@@ -95,9 +95,12 @@ MAMBA_SHAPE = dict(
     state_size=16,
     conv_kernel=4,
 )
-L3_BACKENDS = ("file", "mooncake")
-MOONCAKE_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_MOONCAKE"
-REFUSED_ATTACH = "nixl"
+L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "dynamic")
+L3_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_L3_CONFIG"
+"""The JSON of --hicache-storage-backend-extra-config for ``--l3``: needed for
+mooncake (a running master) and dynamic (the class); file, hf3fs and nixl run
+locally without it (``tools.l3.local_backend``)."""
+REFUSED_ATTACH = "sim"
 L3_TIMEOUT_S = 120
 
 
@@ -758,17 +761,28 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
 
 
 def _l3_extra_config(backend: str) -> dict:
-    if backend == "file":
-        import tempfile
+    """``L3_CONFIG_ENV`` if set, else a local run of ``backend`` in a fresh
+    directory (its environment set in this process, which runs nothing else)."""
+    import tempfile
 
-        return {"file_storage_path": tempfile.mkdtemp(prefix="mxfp8-l3-")}
-    config = os.environ.get(MOONCAKE_CONFIG_ENV)
-    if not config:
+    from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, local_backend
+
+    config = os.environ.get(L3_CONFIG_ENV)
+    if config:
+        return json.loads(config)
+    if backend not in LOCAL_BACKENDS:
         raise RuntimeError(
-            f"--l3 mooncake needs {MOONCAKE_CONFIG_ENV}: the JSON of "
-            "--hicache-storage-backend-extra-config for a running master"
+            f"--l3 {backend} needs {L3_CONFIG_ENV}: the JSON of "
+            "--hicache-storage-backend-extra-config (a running master for "
+            "mooncake, the class for dynamic)"
         )
-    return json.loads(config)
+    local = local_backend(backend, tempfile.mkdtemp(prefix=f"mxfp8-l3-{backend}-"))
+    for name, value in local.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return local.extra_config
 
 
 def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
@@ -893,21 +907,21 @@ def run_modes(
     modes=MODES,
     timeout: float = 600,
     l3: tuple[str, ...] = (),
-    mooncake_config: dict | None = None,
+    l3_config: dict | None = None,
     setups: tuple[str, ...] = ("kv",),
 ) -> dict[str, dict]:
     """Each mode in a fresh process running every setup in ``setups``, then
     mode ours once per L3 backend in ``l3``; the verdicts by key: the mode for
     setup ``kv`` (``ours``), ``setup:mode`` for the others (``draft:ours``),
-    ``ours+file`` for L3. ``mooncake_config`` is the extra config of a running
-    Mooncake master, for ``l3`` mooncake."""
+    ``ours+file`` for L3. ``l3_config`` is the backends' extra config where
+    they need one (``L3_CONFIG_ENV``)."""
     import subprocess
 
     runs = {mode: ["--mode", mode, "--setup", ",".join(setups)] for mode in modes}
     runs.update({f"ours+{b}": ["--mode", "ours", "--l3", b] for b in l3})
     env = dict(os.environ)
-    if mooncake_config is not None:
-        env[MOONCAKE_CONFIG_ENV] = json.dumps(mooncake_config)
+    if l3_config is not None:
+        env[L3_CONFIG_ENV] = json.dumps(l3_config)
     verdicts = {}
     for key, argv in runs.items():
         done = subprocess.run(

@@ -13,14 +13,68 @@ is in L3. What is left out is the queues and threads around them.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-ZERO_COPY_BACKENDS = ("mooncake", "hf3fs")
-"""The backends we serve that SGLang's controller drives through batch_*_v1,
-besides ``dynamic`` with ``interface_v1``."""
+from sglang_mxfp8_hicache.storage import ZERO_COPY_BACKENDS
+
+LOCAL_BACKENDS = ("file", "hf3fs", "nixl")
+"""Backends that run in this process with their data in a local directory."""
+
+FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+"""Overrides ``file_storage_path``; local configs clear it."""
+
+
+@dataclass(frozen=True)
+class LocalBackend:
+    """A backend's extra config and the environment it reads, for a run with
+    its data under one directory."""
+
+    extra_config: dict[str, Any]
+    env: dict[str, str | None]
+    """Variables to set (None: to clear) before the backend is built."""
+
+
+def local_backend(backend: str, root: str) -> LocalBackend:
+    """How to run ``backend`` (one of ``LOCAL_BACKENDS``) with its data under
+    ``root``, an existing directory:
+
+    * ``file``: SGLang's ``HiCacheFile`` in ``root``;
+    * ``hf3fs``: SGLang's ``HiCacheHF3FS`` with its own mock of the 3FS usrbio
+      client (a sparse 1 GiB file, pread/pwrite at fixed slots) and in-process
+      metadata; the real client needs a mounted 3FS;
+    * ``nixl``: SGLang's ``HiCacheNixl`` with a NIXL agent and its POSIX file
+      plugin, buffered (a page part of ours is not a 4 KiB multiple, which
+      O_DIRECT needs), without the cleaner thread that deletes old files.
+    """
+    if backend == "file":
+        return LocalBackend({"file_storage_path": root}, {FILE_DIR_ENV: None})
+    if backend == "hf3fs":
+        config = os.path.join(root, "hf3fs.json")
+        with open(config, "w") as f:
+            json.dump(
+                {
+                    "file_path_prefix": os.path.join(root, "kv"),
+                    "file_size": 1 << 30,
+                    "numjobs": 2,
+                    "entries": 8,
+                },
+                f,
+            )
+        return LocalBackend(
+            {"use_mock_hf3fs_client": True},
+            {"SGLANG_HICACHE_HF3FS_CONFIG_PATH": config},
+        )
+    if backend == "nixl":
+        return LocalBackend(
+            {"use_direct_io": False, "l3_cleaner_enabled": False},
+            {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": root},
+        )
+    raise ValueError(f"backend must be one of {LOCAL_BACKENDS}, got {backend!r}")
 
 
 def page_hashes(tokens: list[int], page_size: int) -> list[str]:
