@@ -198,14 +198,20 @@ def check_report(report: bench_l3.Report) -> None:
     assert len(data["cells"]) == 2 and data["cells"][0]["met"] is None
 
 
-def test_file_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", ["file", "hf3fs", "nixl"])
+def test_local_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch, backend):
     """Pages go to a directory of its own under --l3-dir, removed at the end;
-    the env variable that would override HiCacheFile's directory does not."""
+    the env variable that would override HiCacheFile's directory does not, and
+    the bench keeps its signal handlers (hf3fs installs its own)."""
+    import signal
+
     monkeypatch.setenv(bench_l3.FILE_DIR_ENV, str(tmp_path / "not-here"))
-    report = tiny_run("file", l3_dir=str(tmp_path))
+    handler = signal.getsignal(signal.SIGINT)
+    report = tiny_run(backend, l3_dir=str(tmp_path))
     check_report(report)
     assert report.store.startswith(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_mooncake_run(cpu_kernels, storage_hooks, mooncake):

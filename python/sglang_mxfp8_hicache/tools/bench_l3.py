@@ -43,14 +43,21 @@ from typing import Any
 
 import torch
 
-from sglang_mxfp8_hicache.tools.l3 import StoragePageIO, page_hashes
+from sglang_mxfp8_hicache import storage
+from sglang_mxfp8_hicache.tools.l3 import (
+    FILE_DIR_ENV,
+    LOCAL_BACKENDS,
+    StoragePageIO,
+    local_backend,
+    page_hashes,
+)
 from sglang_mxfp8_hicache.tools.selfcheck import (
     PAGE_SIZE,
     host_page_rows,
     page_token_indices,
 )
 
-BACKENDS = ("file", "mooncake")
+BACKENDS = ("file", "hf3fs", "nixl", "mooncake")
 POOLS = ("mxfp8", "payload")
 DIRECTIONS = ("put", "get")
 GEOMETRY = (8, 128, 4)
@@ -62,9 +69,6 @@ WARMUP = 1
 GOAL_RATIO = 1.05
 GOAL_FROM_PAGES = 64
 """MXFP8 time at most GOAL_RATIO x payload-only time, for batches from here up."""
-FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
-"""Overrides HiCacheFile's configured directory; the bench uses it as the
-parent of its own directory instead, so it never writes beside other files."""
 SEGMENT_HEADROOM = 1.3
 """A loopback segment holds this many times one batch of both pools: Mooncake
 evicts from 95 % full, and an evicted page would fail the get."""
@@ -168,11 +172,30 @@ def _remove(
     get leaves a lease (10 s by default) during which a plain remove fails.
     ``strict``: raise if Mooncake keeps an object (not after a failed put)."""
     backend = getattr(io.storage_backend, "_backend", io.storage_backend)
-    if io.backend_name == "file":
-        for key in hashes:
-            name = f"{backend._get_suffixed_key(key)}.bin"
+    if io.backend_name == "hf3fs":  # frees the slots of the pages' parts
+        if getattr(backend, storage.GUARDED, False):
+            tag = io.storage_host_pool.storage_format_tag
+            hashes = [f"{tag}_{key}" for key in hashes]
+        if backend.mha_zero_copy:
+            hashes = backend._get_mha_zero_copy_keys(hashes)
+        backend.metadata_client.delete_keys(backend.rank, hashes)
+        return
+    if io.backend_name in ("file", "nixl"):
+        if io.backend_name == "file":
+            paths = [
+                os.path.join(backend.file_path, f"{backend._get_suffixed_key(k)}.bin")
+                for k in hashes
+            ]
+        else:
+            names = (
+                backend._get_key_list_from_meta(hashes)
+                if backend.is_zero_copy
+                else [backend._get_suffixed_key(k) for k in hashes]
+            )
+            paths = [backend.file_manager.get_file_path(n) for n in names]
+        for path in paths:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(backend.file_path, name))
+                os.remove(path)
         return
     keys, _, _ = backend._batch_preprocess(backend._tag_keys(hashes), host_indices)
     codes = backend.store.batch_remove(keys, True)
@@ -185,13 +208,38 @@ def _remove(
 
 
 @contextlib.contextmanager
-def _env_removed(name: str) -> Iterator[None]:
-    saved = os.environ.pop(name, None)
+def _env_set(env: Mapping[str, str | None]) -> Iterator[None]:
+    """``env`` in ``os.environ`` (None: removed) while open."""
+    saved = {name: os.environ.get(name) for name in env}
+    try:
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """HiCacheHF3FS replaces SIGINT/SIGTERM/SIGQUIT handlers with ones that
+    only close it; the bench keeps its own, so Ctrl-C still stops it."""
+    import signal
+
+    kept = {
+        s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+    }
     try:
         yield
     finally:
-        if saved is not None:
-            os.environ[name] = saved
+        for number, handler in kept.items():
+            signal.signal(number, handler)
 
 
 def loopback_segment_size(pools: Mapping[str, Any], max_pages: int) -> str:
@@ -432,22 +480,75 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _store(
+def _open_all(
     stack: contextlib.ExitStack,
     backend: str,
     pools: Mapping[str, Any],
     max_pages: int,
     l3_dir: str | None,
     mooncake_config: dict[str, Any] | None,
-) -> tuple[dict[str, Any], str]:
-    """(extra config of the backend, where pages go); what it makes or starts
-    is undone when ``stack`` closes."""
-    if backend == "file":
+) -> tuple[dict[str, StoragePageIO], str]:
+    """Each pool's backend, and where pages go; what it makes or starts is
+    undone when ``stack`` closes. A local backend gets a directory per pool:
+    hf3fs keeps no model name in its keys, and its metadata is per instance."""
+    run_id = uuid.uuid4().hex[:8]
+    if backend in LOCAL_BACKENDS:
         parent = l3_dir or os.environ.get(FILE_DIR_ENV) or None
-        root = tempfile.mkdtemp(prefix="sglang-mxfp8-hicache-l3-", dir=parent)
+        root = tempfile.mkdtemp(prefix=f"sglang-mxfp8-hicache-{backend}-", dir=parent)
         stack.callback(shutil.rmtree, root, ignore_errors=True)
-        stack.enter_context(_env_removed(FILE_DIR_ENV))
-        return {"file_storage_path": root}, root
+        ios = {}
+        for name, pool in pools.items():
+            os.mkdir(os.path.join(root, name))
+            local = local_backend(
+                backend,
+                os.path.join(root, name),
+                size_bytes=SEGMENT_HEADROOM * max_pages * page_bytes(pool),
+            )
+            with _env_set(local.env):
+                ios[name] = _open(
+                    stack, backend, pool, run_id, name, local.extra_config
+                )
+        return ios, root
+    extra_config, store = _mooncake(stack, pools, max_pages, mooncake_config)
+    ios = {
+        name: _open(stack, backend, pool, run_id, name, extra_config)
+        for name, pool in pools.items()
+    }
+    return ios, store
+
+
+def _open(
+    stack: contextlib.ExitStack,
+    backend: str,
+    pool: Any,
+    run_id: str,
+    name: str,
+    extra_config: dict[str, Any],
+) -> StoragePageIO:
+    try:
+        with _signal_handlers_kept():
+            io = StoragePageIO.open(
+                backend,
+                pool,
+                model_name=f"bench-l3-{run_id}-{name}",
+                extra_config=extra_config,
+            )
+    except Exception as exc:
+        raise L3Unavailable(
+            f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
+        ) from exc
+    stack.callback(io.close)
+    return io
+
+
+def _mooncake(
+    stack: contextlib.ExitStack,
+    pools: Mapping[str, Any],
+    max_pages: int,
+    mooncake_config: dict[str, Any] | None,
+) -> tuple[dict[str, Any], str]:
+    """(extra config, the master): ``mooncake_config``'s, or a loopback one
+    started here."""
     if mooncake_config is not None:
         master = mooncake_config.get("master_server_address")
         return dict(mooncake_config), f"master {master or 'of the client server'}"
@@ -504,25 +605,9 @@ def run(
             ) from exc
         for pool in pools.values():
             stack.callback(pool.destroy)
-        extra_config, store = _store(
+        ios, store = _open_all(
             stack, backend, pools, max_pages, l3_dir, mooncake_config
         )
-        run_id = uuid.uuid4().hex[:8]
-        ios = {}
-        for name, pool in pools.items():
-            try:
-                io = StoragePageIO.open(
-                    backend,
-                    pool,
-                    model_name=f"bench-l3-{run_id}-{name}",
-                    extra_config=extra_config,
-                )
-            except Exception as exc:
-                raise L3Unavailable(
-                    f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
-                ) from exc
-            stack.callback(io.close)
-            ios[name] = io
         try:
             from tqdm import tqdm
         except ImportError:  # pragma: no cover - tqdm ships with sglang

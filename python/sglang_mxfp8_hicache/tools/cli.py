@@ -5,7 +5,7 @@
 - ``size``: host-tier bytes and tokens per rank, with and without the scales;
 - ``bench [--check] [--setup page_first,draft,layer_first]``: host pool
   transfer times on one CUDA GPU;
-  ``bench --l3 file|mooncake``: L3 put and get of MXFP8 pages against
+  ``bench --l3 file|hf3fs|nixl|mooncake``: L3 put and get of MXFP8 pages against
   payload-only pages (``tools/bench_l3.py``).
 
 ``--help`` lists the commands from their parsers. Bad input ends in one line on
@@ -444,7 +444,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.l3 is not None:
         return cmd_bench_l3(args)
     for flag, value, needs in (
-        ("--l3-dir", args.l3_dir, "--l3 file"),
+        ("--l3-dir", args.l3_dir, "--l3 file, hf3fs or nixl"),
         ("--mooncake-config", args.mooncake_config, "--l3 mooncake"),
     ):
         if value is not None:
@@ -518,8 +518,8 @@ def cmd_bench_l3(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--l3 takes one geometry, got {len(args.geometries)} in --geometries"
         )
-    if args.l3_dir is not None and args.l3 != "file":
-        raise UsageError(f"--l3-dir is for --l3 file, not --l3 {args.l3}")
+    if args.l3_dir is not None and args.l3 == "mooncake":
+        raise UsageError("--l3-dir is for --l3 file, hf3fs or nixl, not --l3 mooncake")
     if args.mooncake_config is not None and args.l3 != "mooncake":
         raise UsageError(f"--mooncake-config is for --l3 mooncake, not --l3 {args.l3}")
     warmup = L3_WARMUP if args.warmup is None else args.warmup
@@ -823,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MTP/NextN draft pools, each loaded right after the target layer of\n"
         "its depth; layer_first host payload. A class that refuses a setup\n"
         "(SGLang's MXFP8 class: page_first only) shows 'refused'.\n\n"
-        "--l3 file|mooncake: put and get of MXFP8 pages and of the same model's\n"
+        "--l3 file|hf3fs|nixl|mooncake: put and get of MXFP8 pages and of the same model's\n"
         "payload-only pages through that L3 backend, as SGLang's cache controller\n"
         "moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
         "time from 64 pages (--check: exit 1 if not). Exit 1 also if L3 loses\n"
@@ -892,13 +892,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--l3",
         type=l3_backend,
         metavar="BACKEND",
-        help="time L3 instead: file or mooncake",
+        help="time L3 instead: file, hf3fs, nixl or mooncake",
     )
     bench.add_argument(
         "--l3-dir",
         type=existing_dir,
         metavar="DIR",
-        help="--l3 file: where the bench makes its own directory, removed at the "
+        help="--l3 file, hf3fs, nixl: where the bench makes its own directory, removed at the "
         "end (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the system "
         "temp dir)",
     )

@@ -39,14 +39,16 @@ class LocalBackend:
     """Variables to set (None: to clear) before the backend is built."""
 
 
-def local_backend(backend: str, root: str) -> LocalBackend:
+def local_backend(
+    backend: str, root: str, *, size_bytes: float = 1 << 30
+) -> LocalBackend:
     """How to run ``backend`` (one of ``LOCAL_BACKENDS``) with its data under
     ``root``, an existing directory:
 
     * ``file``: SGLang's ``HiCacheFile`` in ``root``;
     * ``hf3fs``: SGLang's ``HiCacheHF3FS`` with its own mock of the 3FS usrbio
-      client (a sparse 1 GiB file, pread/pwrite at fixed slots) and in-process
-      metadata; the real client needs a mounted 3FS;
+      client (a sparse file of ``size_bytes``, pread/pwrite at fixed slots) and
+      in-process metadata; the real client needs a mounted 3FS;
     * ``nixl``: SGLang's ``HiCacheNixl`` with a NIXL agent and its POSIX file
       plugin, buffered (a page part of ours is not a 4 KiB multiple, which
       O_DIRECT needs), without the cleaner thread that deletes old files.
@@ -59,7 +61,7 @@ def local_backend(backend: str, root: str) -> LocalBackend:
             json.dump(
                 {
                     "file_path_prefix": os.path.join(root, "kv"),
-                    "file_size": 1 << 30,
+                    "file_size": max(int(size_bytes), 1 << 30),
                     "numjobs": 2,
                     "entries": 8,
                 },
