@@ -214,6 +214,11 @@ def test_local_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch, backend):
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def test_seaweedfs_run(cpu_kernels, storage_hooks):
+    """A SeaweedFS server started for the run and stopped after it."""
+    check_report(tiny_run("seaweedfs"))
+
+
 def test_mooncake_run(cpu_kernels, storage_hooks, mooncake):
     """Against a running master (the session's loopback one), as with
     --mooncake-config: what the run stored is removed, so the store's other

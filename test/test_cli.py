@@ -332,9 +332,20 @@ BAD_INPUTS = [
         "--drafts needs --setup draft",
     ),
     # bench --l3 (tools/bench_l3.py; its runs are in test_bench_l3.py)
-    bad("l3_bogus", ["bench", "--l3", "bogus"], "--l3", "'bogus'", "nixl or mooncake"),
+    bad(
+        "l3_bogus",
+        ["bench", "--l3", "bogus"],
+        "--l3",
+        "'bogus'",
+        "mooncake or seaweedfs",
+    ),
     bad("l3_refused_backend", ["bench", "--l3", "sim"], "--l3", "'sim'"),
-    bad("l3_untimed_backend", ["bench", "--l3", "dynamic"], "--l3", "nixl or mooncake"),
+    bad(
+        "l3_untimed_backend",
+        ["bench", "--l3", "dynamic"],
+        "--l3",
+        "mooncake or seaweedfs",
+    ),
     bad(
         "l3_geometry_8by128",
         ["bench", "--l3", "file", "--geometries", "8by128"],

@@ -51,17 +51,25 @@ FACTORY_HOOK_TARGET = (
 NO_STORAGE = "default"
 """``get_allocator_type()`` without ``--hicache-storage-backend``."""
 
-SUPPORTED_STORAGE_BACKENDS = ("file", "mooncake", "dynamic", "hf3fs", "nixl")
+SUPPORTED_STORAGE_BACKENDS = (
+    "file",
+    "mooncake",
+    "dynamic",
+    "hf3fs",
+    "nixl",
+    "seaweedfs",
+)
 """Backends whose every byte path goes through the pool's page methods, tested
 end to end: ``file`` reads and writes flat pages, ``mooncake`` registers
 ``get_hybrid_pool_buffer()`` and moves ``get_page_buffer_meta`` parts,
 ``hf3fs`` reads and writes the parts of ``get_data_page(flat=False)``,
 ``nixl`` registers ``kv_buffer`` and moves the parts (page_first) or copies
-flat pages through its bounce buffers (layer_first), and ``dynamic`` classes
-do either (``interface_v1`` in the extra config picks SGLang's zero-copy page
+flat pages through its bounce buffers (layer_first), ``seaweedfs`` copies
+the ``get_page_buffer_meta`` parts into and out of one object per page (and
+reads only an object of their total size), and ``dynamic`` classes do either (``interface_v1`` in the extra config picks SGLang's zero-copy page
 functions)."""
 
-ZERO_COPY_BACKENDS = ("mooncake", "hf3fs", "nixl")
+ZERO_COPY_BACKENDS = ("mooncake", "hf3fs", "nixl", "seaweedfs")
 """The served backends SGLang's cache controller drives through its zero-copy
 page functions (``batch_*_v1``), besides ``dynamic`` with ``interface_v1``
 (``cache_controller.py:645-661``)."""
@@ -70,7 +78,6 @@ REFUSED_STORAGE_BACKENDS: dict[str, str] = {
     "aibrix": "it checks every page against a bf16/fp8 block spec without scales",
     "eic": "it registers kv_buffer only and reads the page's non-flat shape",
     "simm": "it expects one flat pointer and size per K and V page",
-    "seaweedfs": "it expects one flat pointer and size per K and V page",
     "mori": "it sizes its pages from flat pointers at construction",
     "npu_memcache": "it is an Ascend NPU backend with flat per-page pointers",
     "tensorcast": "it serves the exact MHATokenToKVPoolHost class only",

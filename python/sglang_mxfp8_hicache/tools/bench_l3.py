@@ -57,7 +57,7 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
     page_token_indices,
 )
 
-BACKENDS = ("file", "hf3fs", "nixl", "mooncake")
+BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs")
 POOLS = ("mxfp8", "payload")
 DIRECTIONS = ("put", "get")
 GEOMETRY = (8, 128, 4)
@@ -196,6 +196,12 @@ def _remove(
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
+        return
+    if io.backend_name == "seaweedfs":
+        for key in hashes:
+            backend._s3.delete_object(
+                Bucket=backend.config.bucket, Key=backend._object_key(key)
+            )
         return
     keys, _, _ = backend._batch_preprocess(backend._tag_keys(hashes), host_indices)
     codes = backend.store.batch_remove(keys, True)
@@ -509,7 +515,10 @@ def _open_all(
                     stack, backend, pool, run_id, name, local.extra_config
                 )
         return ios, root
-    extra_config, store = _mooncake(stack, pools, max_pages, mooncake_config)
+    if backend == "seaweedfs":
+        extra_config, store = _seaweedfs(stack)
+    else:
+        extra_config, store = _mooncake(stack, pools, max_pages, mooncake_config)
     ios = {
         name: _open(stack, backend, pool, run_id, name, extra_config)
         for name, pool in pools.items()
@@ -539,6 +548,25 @@ def _open(
         ) from exc
     stack.callback(io.close)
     return io
+
+
+def _seaweedfs(stack: contextlib.ExitStack) -> tuple[dict[str, Any], str]:
+    """(extra config, the gateway) of a SeaweedFS server started here."""
+    from sglang_mxfp8_hicache.tools.seaweedfs_loopback import (
+        SeaweedFSError,
+        SeaweedFSLoopback,
+        seaweedfs_available,
+    )
+
+    reason = seaweedfs_available()
+    if reason is not None:
+        raise L3Unavailable(f"SeaweedFS cannot run here: {reason}")
+    service = SeaweedFSLoopback()
+    try:
+        stack.enter_context(service)
+    except SeaweedFSError as exc:
+        raise L3Unavailable(f"SeaweedFS did not start: {_first_line(exc)}") from exc
+    return service.extra_config(), f"loopback S3 gateway {service.endpoint}"
 
 
 def _mooncake(

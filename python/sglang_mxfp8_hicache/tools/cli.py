@@ -5,7 +5,7 @@
 - ``size``: host-tier bytes and tokens per rank, with and without the scales;
 - ``bench [--check] [--setup page_first,draft,layer_first]``: host pool
   transfer times on one CUDA GPU;
-  ``bench --l3 file|hf3fs|nixl|mooncake``: L3 put and get of MXFP8 pages against
+  ``bench --l3 file|hf3fs|nixl|mooncake|seaweedfs``: L3 put and get of MXFP8 pages against
   payload-only pages (``tools/bench_l3.py``).
 
 ``--help`` lists the commands from their parsers. Bad input ends in one line on
@@ -823,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MTP/NextN draft pools, each loaded right after the target layer of\n"
         "its depth; layer_first host payload. A class that refuses a setup\n"
         "(SGLang's MXFP8 class: page_first only) shows 'refused'.\n\n"
-        "--l3 file|hf3fs|nixl|mooncake: put and get of MXFP8 pages and of the same model's\n"
+        "--l3 file|hf3fs|nixl|mooncake|seaweedfs: put and get of MXFP8 pages and of the same model's\n"
         "payload-only pages through that L3 backend, as SGLang's cache controller\n"
         "moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
         "time from 64 pages (--check: exit 1 if not). Exit 1 also if L3 loses\n"
@@ -892,7 +892,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--l3",
         type=l3_backend,
         metavar="BACKEND",
-        help="time L3 instead: file, hf3fs, nixl or mooncake",
+        help="time L3 instead: file, hf3fs, nixl, mooncake or seaweedfs",
     )
     bench.add_argument(
         "--l3-dir",

@@ -95,11 +95,11 @@ MAMBA_SHAPE = dict(
     state_size=16,
     conv_kernel=4,
 )
-L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "dynamic")
+L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs", "dynamic")
 L3_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_L3_CONFIG"
 """The JSON of --hicache-storage-backend-extra-config for ``--l3``: needed for
-mooncake (a running master) and dynamic (the class); file, hf3fs and nixl run
-locally without it (``tools.l3.local_backend``)."""
+mooncake and seaweedfs (a running service) and dynamic (the class); file,
+hf3fs and nixl run locally without it (``tools.l3.local_backend``)."""
 REFUSED_ATTACH = "sim"
 L3_TIMEOUT_S = 120
 
@@ -773,8 +773,8 @@ def _l3_extra_config(backend: str) -> dict:
     if backend not in LOCAL_BACKENDS:
         raise RuntimeError(
             f"--l3 {backend} needs {L3_CONFIG_ENV}: the JSON of "
-            "--hicache-storage-backend-extra-config (a running master for "
-            "mooncake, the class for dynamic)"
+            "--hicache-storage-backend-extra-config (a running service for "
+            "mooncake and seaweedfs, the class for dynamic)"
         )
     local = local_backend(backend, tempfile.mkdtemp(prefix=f"mxfp8-l3-{backend}-"))
     for name, value in local.env.items():

