@@ -108,6 +108,48 @@ def make_pools(device, request):
         host.destroy()
 
 
+@pytest.fixture(scope="module")
+def hf3fs_metadata_server():
+    """SGLang's own 3FS metadata server (``mini_3fs_metadata_server``) on a
+    free loopback port, for the module; yields its URL."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from sglang_mxfp8_hicache.tools.mooncake_loopback import _free_ports
+
+    [port] = _free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/docs", timeout=1).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("the 3FS metadata server did not start")
+                time.sleep(0.3)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 @pytest.fixture(scope="session")
 def mooncake():
     """A real Mooncake master and storage node on 127.0.0.1 for the session

@@ -1105,3 +1105,46 @@ def test_controller_attach_round_trip_detach(l3, request):
     assert result["payload_restored"] and result["scales_restored"], result
     assert result["dequantized_max_diff"] == 0.0, result
     assert result["untouched_pages_kept"], result
+
+
+@on_cpu
+def test_hf3fs_shared_metadata_server(
+    make_pools, storage_hooks, hf3fs_metadata_server, tmp_path, monkeypatch
+):
+    """hf3fs as deployments run it: every backend on one file and SGLang's own
+    metadata server (hf3fs keys carry no model name). A new backend instance
+    (a restarted server) finds the pages the first stored and restores them
+    byte for byte; a pool of another geometry storing the same tokens on the
+    same file and server gets its own keys and slots: each pool loads its own
+    pages, whole."""
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    local = local_backend(
+        "hf3fs", str(tmp_path), hf3fs_metadata_url=hf3fs_metadata_server
+    )
+    for name, value in local.env.items():
+        monkeypatch.setenv(name, value)
+    model = f"model-{uuid.uuid4().hex[:8]}"
+
+    def open_(pool):
+        return StoragePageIO.open(
+            "hf3fs", pool, model_name=model, extra_config=local.extra_config
+        )
+
+    _, host = make_pools(heads=4, head_dim=128, layers=2, pages=6)
+    first = open_(host)
+    ours = Stored(first, pages=6, seed=21)
+    first.close()
+    restarted = open_(host)
+    assert restarted.hit_query(ours.tokens) == ours.hashes
+    assert restarted.fetch(ours.hashes, page_token_indices(ours.dst)) == 6
+    ours.check(6)
+
+    _, other = make_pools(heads=2, head_dim=128, layers=3, pages=6)
+    theirs = Stored(open_(other), pages=6, seed=21)
+    assert theirs.tokens == ours.tokens
+    assert theirs.fetch() == 6
+    theirs.check(6)
+    fill_host(host, 23)
+    ours.before = host_pages(host, torch.arange(host.page_num))
+    assert restarted.fetch(ours.hashes, page_token_indices(ours.dst)) == 6
+    ours.check(6)

@@ -13,18 +13,21 @@ pool of ours it
 * guards the read of the backend it builds: a stored page whose size is not
   this format's, or that misses a part, is a miss, logged once per batch, and
   none of its bytes, nor those of the pages after it in the batch, reach the
-  host pool. Neither backend does that alone: ``HiCacheFile.get`` reads a
-  longer file into the page without a word and raises on a shorter one (which
-  costs the whole batch), and Mooncake writes the parts of a page that are
-  fine into host memory before it fails the part that is not;
+  host pool. No backend does that alone: ``HiCacheFile.get`` reads a longer
+  file into the page without a word and raises on a shorter one (which costs
+  the whole batch), Mooncake writes the parts of a page that are fine into
+  host memory before it fails the part that is not, and NIXL fails the whole
+  batch on one short file and reads a longer one's first bytes;
+  (``seaweedfs`` checks sizes itself);
 * for ``dynamic`` (a class SGLang loads by module path, which reports no
-  object sizes) and ``hf3fs`` (fixed slots of a shared file, read whatever was
-  last written there), prefixes every key with the pool's format tag (neither
-  puts the model name in every key) and seals each page on its way to L3
-  (``seal.py``): a read that raises, returns a page of another size, or
-  brings a page whose seal does not match its bytes and key is a miss. A
-  zero-copy backend writes the prefetch's own host pages, which SGLang frees
-  past the last page that arrived.
+  object sizes), ``hf3fs`` (fixed slots of a shared file, read whatever was
+  last written there) and ``nixl`` (files rewritten in place, a longer old
+  one's tail kept), seals each page on its way to L3 (``seal.py``): a read
+  that raises, returns a page of another size, or brings a page whose seal
+  does not match its bytes and key is a miss; ``dynamic`` and ``hf3fs`` keys
+  also get the pool's format tag as a prefix (neither puts the model name in
+  every key). A zero-copy backend writes the prefetch's own host pages,
+  which SGLang frees past the last page that arrived.
 
 Every other pool's backend is left to SGLang unchanged.
 """
@@ -75,14 +78,21 @@ page functions (``batch_*_v1``), besides ``dynamic`` with ``interface_v1``
 (``cache_controller.py:645-661``)."""
 
 REFUSED_STORAGE_BACKENDS: dict[str, str] = {
-    "aibrix": "it checks every page against a bf16/fp8 block spec without scales",
-    "eic": "it registers kv_buffer only and reads the page's non-flat shape",
-    "simm": "it expects one flat pointer and size per K and V page",
-    "mori": "it sizes its pages from flat pointers at construction",
-    "npu_memcache": "it is an Ascend NPU backend with flat per-page pointers",
-    "tensorcast": "it serves the exact MHATokenToKVPoolHost class only",
+    "aibrix": (
+        "it checks every page against a block spec of payload dtype, heads, "
+        "layers and head dim; a page with scales and a seal has none of those "
+        "shapes, and a spec made to match its bytes would name layers and heads "
+        "the page does not have"
+    ),
     "sim": "it stores no bytes, so every page it 'serves' is garbage",
     "shm": "it is a no-op store paired with a shared-memory allocator",
+    "eic": "it needs Volcengine's EIC SDK and cluster, not available to prove it",
+    "simm": "it needs a SiMM RDMA cluster (built from source), not available to prove it",
+    "mori": "it runs on ROCm only (amd-mori), not available to prove it",
+    "npu_memcache": "it needs an Ascend NPU driver, not available to prove it",
+    "tensorcast": (
+        "it needs tensorcast's own CUDA 13 / torch 2.13 build, not available to prove it"
+    ),
 }
 """Every other backend SGLang 0.5.23 offers, with the reason it is refused."""
 

@@ -40,7 +40,11 @@ class LocalBackend:
 
 
 def local_backend(
-    backend: str, root: str, *, size_bytes: float = 1 << 30
+    backend: str,
+    root: str,
+    *,
+    size_bytes: float = 1 << 30,
+    hf3fs_metadata_url: str | None = None,
 ) -> LocalBackend:
     """How to run ``backend`` (one of ``LOCAL_BACKENDS``) with its data under
     ``root``, an existing directory:
@@ -48,7 +52,8 @@ def local_backend(
     * ``file``: SGLang's ``HiCacheFile`` in ``root``;
     * ``hf3fs``: SGLang's ``HiCacheHF3FS`` with its own mock of the 3FS usrbio
       client (a sparse file of ``size_bytes``, pread/pwrite at fixed slots) and
-      in-process metadata; the real client needs a mounted 3FS;
+      in-process metadata, or SGLang's metadata server at
+      ``hf3fs_metadata_url``; the real client needs a mounted 3FS;
     * ``nixl``: SGLang's ``HiCacheNixl`` with a NIXL agent and its POSIX file
       plugin, buffered (a page part of ours is not a 4 KiB multiple, which
       O_DIRECT needs), without the cleaner thread that deletes old files.
@@ -64,6 +69,11 @@ def local_backend(
                     "file_size": max(int(size_bytes), 1 << 30),
                     "numjobs": 2,
                     "entries": 8,
+                    **(
+                        {"metadata_server_url": hf3fs_metadata_url}
+                        if hf3fs_metadata_url
+                        else {}
+                    ),
                 },
                 f,
             )
