@@ -530,3 +530,48 @@ def test_refuses_native_nvfp4_scales_wherever_a_stack_is_built(cpu_kernels):
     host_cls, info, _ = assembler._mha_host_inputs(plain)
     assert host_cls is MHATokenToKVPoolMXFP8Host
     assert info.scales is not None
+
+
+@pytest.mark.parametrize(
+    "extra_config, refused",
+    [
+        ("", True),
+        ('{"use_direct_io": true}', True),
+        ('{"use_direct_io": false}', False),
+    ],
+    ids=["nixl_default", "nixl_direct_io", "nixl_buffered"],
+)
+def test_refuses_nixl_direct_io(
+    cpu_kernels, no_allocation, mxfp8_pool, monkeypatch, extra_config, refused
+):
+    """NIXL's O_DIRECT (its default) moves 4 KiB multiples, which a sealed page
+    part is not: refused before the pool allocates, from the server's
+    --hicache-storage-backend-extra-config; buffered NIXL is served."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+
+    monkeypatch.delenv("SGLANG_HICACHE_NIXL_USE_DIRECT_IO", raising=False)
+    memory = SimpleNamespace(
+        hicache_storage_backend_extra_config=extra_config, hicache_io_backend=None
+    )
+    monkeypatch.setattr(runtime_context, "get_memory", lambda: memory)
+    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+
+    def build():
+        return MHATokenToKVPoolMXFP8Host(
+            info,
+            2.0,
+            0,
+            128,
+            "page_first",
+            allocator_type="nixl",
+            **_kwargs(mxfp8_pool),
+        )
+
+    if refused:
+        with pytest.raises(MXFP8HiCacheConfigError, match='"use_direct_io": false'):
+            build()
+    else:
+        with pytest.raises(AssertionError, match="allocated before refusing"):
+            build()  # past every check, into the allocating base

@@ -33,6 +33,7 @@ Contracts a caller relies on:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ from sglang_mxfp8_hicache.geometry import (
     is_packed_fp4,
 )
 from sglang_mxfp8_hicache.page import PARTS, HostPage
-from sglang_mxfp8_hicache.storage import storage_refusal
+from sglang_mxfp8_hicache.storage import nixl_direct_io, storage_refusal
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
@@ -84,6 +85,21 @@ def configured_io_backend() -> str | None:
         return get_memory().hicache_io_backend
     except (ValueError, AttributeError):
         return None
+
+
+def configured_storage_extra_config() -> dict | None:
+    """``--hicache-storage-backend-extra-config`` of the running server (``{}``
+    if not given), or None outside a server."""
+    from sglang.srt.runtime_context import get_memory
+
+    try:
+        text = get_memory().hicache_storage_backend_extra_config
+    except (ValueError, AttributeError):
+        return None
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:
+        return None  # SGLang's own parser reports it
 
 
 def decode_host_receive() -> bool:
@@ -342,11 +358,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 f"({name}) KV state there whatever the host pool "
                 "(StateType.BLOCK_SCALE); leave the threshold at 1."
             )
+        extra_config = configured_storage_extra_config()
         storage_reason = storage_refusal(
             allocator_type,
             name,
             sealed=layout != HEADS_MAJOR_LAYOUT,
             symmetric=buffer_info.v_head_dim == buffer_info.head_dim,
+            direct_io=allocator_type == "nixl"
+            and extra_config is not None
+            and nixl_direct_io(extra_config),
         )
         if storage_reason is not None:
             raise refuse(storage_reason)

@@ -13,11 +13,11 @@ pool of ours it
 * guards the read of the backend it builds: a stored page whose size is not
   this format's, or that misses a part, is a miss, logged once per batch, and
   none of its bytes, nor those of the pages after it in the batch, reach the
-  host pool. No backend does that alone: ``HiCacheFile.get`` reads a longer
-  file into the page without a word and raises on a shorter one (which costs
-  the whole batch), Mooncake writes the parts of a page that are fine into
-  host memory before it fails the part that is not, and NIXL fails the whole
-  batch on one short file and reads a longer one's first bytes;
+  host pool. These backends do not do that alone: ``HiCacheFile.get`` reads a
+  longer file into the page without a word and raises on a shorter one (which
+  costs the whole batch), Mooncake writes the parts of a page that are fine
+  into host memory before it fails the part that is not, and NIXL fails the
+  whole batch on one short file and reads a longer one's first bytes
   (``seaweedfs`` checks sizes itself);
 * for ``dynamic`` (a class SGLang loads by module path, which reports no
   object sizes), ``hf3fs`` (fixed slots of a shared file, read whatever was
@@ -69,7 +69,8 @@ end to end: ``file`` reads and writes flat pages, ``mooncake`` registers
 ``nixl`` registers ``kv_buffer`` and moves the parts (page_first) or copies
 flat pages through its bounce buffers (layer_first), ``seaweedfs`` copies
 the ``get_page_buffer_meta`` parts into and out of one object per page (and
-reads only an object of their total size), and ``dynamic`` classes do either (``interface_v1`` in the extra config picks SGLang's zero-copy page
+reads only an object of their total size), and ``dynamic`` classes do
+either (``interface_v1`` in the extra config picks SGLang's zero-copy page
 functions)."""
 
 ZERO_COPY_BACKENDS = ("mooncake", "hf3fs", "nixl", "seaweedfs")
@@ -500,6 +501,17 @@ def _mooncake_batch_get_checked(
         ):
             wrong.append((page, key, size, expected))
     good = _leading_good_pages(wrong, len(keys))
+    return _read_leading(read, keys, host_indices, extra_info, good)
+
+
+def _read_leading(
+    read: Callable[..., Any],
+    keys: list[str],
+    host_indices: torch.Tensor,
+    extra_info: Any,
+    good: int,
+) -> list[bool]:
+    """A zero-copy read of the first ``good`` pages; the rest are misses."""
     page_size = len(host_indices) // len(keys)
     results = (
         read(keys[:good], host_indices[: good * page_size], extra_info) if good else []
@@ -539,11 +551,7 @@ def _nixl_batch_get_checked(
         if found != expected and (not wrong or wrong[-1][0] != n // per_page):
             wrong.append((n // per_page, name, found, expected))
     good = min(present, _leading_good_pages(wrong, len(keys)))
-    page_size = len(host_indices) // len(keys)
-    results = (
-        read(keys[:good], host_indices[: good * page_size], extra_info) if good else []
-    )
-    return [*results, *[False] * (len(keys) - good)]
+    return _read_leading(read, keys, host_indices, extra_info, good)
 
 
 SIZE_CHECKS: dict[str, tuple[str, Callable[..., Any]]] = {
