@@ -51,7 +51,6 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
 )
 
 on_cpu = pytest.mark.parametrize("device", ["cpu"], indirect=True)
-file_only = pytest.mark.parametrize("backend", ["file"], indirect=True)
 
 
 @pytest.fixture
