@@ -195,3 +195,44 @@ def test_staging_hook_reaches_the_builder_alias(order):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_core_imports_no_tools_and_no_cycle():
+    """The core a server imports (the package's top-level modules) takes
+    nothing from ``tools``, and no two of its modules import each other,
+    even lazily (imports inside functions count)."""
+    import ast
+    import pathlib
+
+    import sglang_mxfp8_hicache
+
+    package = pathlib.Path(sglang_mxfp8_hicache.__file__).parent
+    core = {p.stem: p for p in package.glob("*.py") if p.stem != "__init__"}
+    edges: dict[str, set[str]] = {}
+    for name, path in core.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module]
+                if node.module == "sglang_mxfp8_hicache":
+                    modules += [f"sglang_mxfp8_hicache.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "sglang_mxfp8_hicache" and len(parts) > 1:
+                    assert parts[1] != "tools", f"{name} imports {module}"
+                    if parts[1] in core:
+                        imported.add(parts[1])
+        edges[name] = imported - {name}
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in edges[start] - seen:
+            if nxt == goal or reaches(nxt, goal, seen | {nxt}):
+                return True
+        return False
+
+    cycles = [name for name in core if reaches(name, name, set())]
+    assert cycles == [], f"import cycle through {cycles}"

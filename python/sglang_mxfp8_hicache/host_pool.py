@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.platforms import current_platform
 
 from sglang_mxfp8_hicache import transfer
+from sglang_mxfp8_hicache.errors import MXFP8HiCacheConfigError
 from sglang_mxfp8_hicache.geometry import (
     FORMATS,
     ScaleFormat,
@@ -71,10 +72,6 @@ heads-major page (L3 head groups shared across TP sizes), the others by the
 layer-major one; SGLang's controller places a transfer's indices by the name."""
 HEADS_MAJOR_LAYOUT = "page_head"
 SERVED_IO_BACKENDS = ("kernel", "direct")
-
-
-class MXFP8HiCacheConfigError(ValueError):
-    """A configuration this pool cannot serve; the message names the flag to change."""
 
 
 def configured_io_backend() -> str | None:

@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sglang_mxfp8_hicache import seal
+from sglang_mxfp8_hicache.errors import MXFP8HiCacheConfigError
+from sglang_mxfp8_hicache.page import HostPage
 
 if TYPE_CHECKING:
     import torch
@@ -179,12 +181,7 @@ def guard_storage_backend(
     SGLang hands the factory the controller's ``storage_host_pool``, the anchor
     pool itself (never a group): a backend is ours to guard when that is ours.
     """
-    from sglang_mxfp8_hicache.host_pool import (
-        MHATokenToKVPoolMXFP8Host,
-        MXFP8HiCacheConfigError,
-    )
-
-    if not isinstance(mem_pool_host, MHATokenToKVPoolMXFP8Host):
+    if not isinstance(getattr(mem_pool_host, "host_page", None), HostPage):
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
     name = pool.host_page.fmt.name
@@ -229,8 +226,6 @@ def _guard_reads(backend: Any, backend_name: str) -> None:
     if backend_name == "mooncake" and not hasattr(
         inner.store, "batch_get_replica_desc"
     ):
-        from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
-
         raise MXFP8HiCacheConfigError(
             "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
             f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
