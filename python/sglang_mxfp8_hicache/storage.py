@@ -344,8 +344,10 @@ def _sealed_set(
     **kwargs: Any,
 ) -> Any:
     """A generic ``batch_set`` of flat pages (views of host pages), sealed first."""
-    for key, value in zip(keys, values, strict=True):
-        _seal_page(pool, value, key)
+    seal.map_pages(
+        lambda page: _seal_page(pool, page[1], page[0]),
+        list(zip(keys, values, strict=True)),
+    )
     return write(keys, values, *args, **kwargs)
 
 
@@ -358,8 +360,10 @@ def _sealed_set_v1(
     **kwargs: Any,
 ) -> Any:
     """A zero-copy ``batch_set_v1``, each host page sealed first."""
-    for key, page in zip(keys, _host_pages(pool, host_indices), strict=True):
-        _seal_page(pool, page, key)
+    seal.map_pages(
+        lambda page: _seal_page(pool, page[1], page[0]),
+        list(zip(keys, _host_pages(pool, host_indices), strict=True)),
+    )
     return write(keys, host_indices, *args, **kwargs)
 
 
@@ -377,17 +381,23 @@ def _checked_get(
     if results is None:
         return [None] * len(keys)
     expected = pool.host_page.span_bytes
-    wrong: list[WrongPage] = []
-    returned = len(keys)
-    for page, (key, result) in enumerate(zip(keys, results, strict=True)):
-        if result is None:  # SGLang takes no page after a miss
-            returned = page
-            break
-        found = result.numel() * result.element_size()
+    # SGLang takes no page after a miss.
+    returned = next((n for n, r in enumerate(results) if r is None), len(keys))
+
+    def size_or_seal(page: tuple[str, torch.Tensor]) -> int:
+        found = page[1].numel() * page[1].element_size()
         if found != expected:
-            wrong.append((page, key, found, expected))
-        elif not _page_is_sealed(pool, result, key):
-            wrong.append((page, key, UNSEALED, expected))
+            return found
+        return expected if _page_is_sealed(pool, page[1], page[0]) else UNSEALED
+
+    found = seal.map_pages(
+        size_or_seal, list(zip(keys, results, strict=True))[:returned]
+    )
+    wrong: list[WrongPage] = [
+        (page, key, size, expected)
+        for page, (key, size) in enumerate(zip(keys[:returned], found, strict=True))
+        if size != expected
+    ]
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*results[:good], *[None] * (len(keys) - good)]
 
@@ -408,15 +418,14 @@ def _checked_get_v1(
     if results is None:
         return [False] * len(keys)
     expected = pool.host_page.span_bytes
-    wrong: list[WrongPage] = []
-    returned = len(keys)
-    pages = _host_pages(pool, host_indices)
-    for page, (key, hit, flat) in enumerate(zip(keys, results, pages, strict=True)):
-        if not hit:
-            returned = page
-            break
-        if not _page_is_sealed(pool, flat, key):
-            wrong.append((page, key, UNSEALED, expected))
+    returned = next((n for n, hit in enumerate(results) if not hit), len(keys))
+    pages = list(zip(keys, _host_pages(pool, host_indices), strict=True))[:returned]
+    sealed = seal.map_pages(lambda page: _page_is_sealed(pool, page[1], page[0]), pages)
+    wrong: list[WrongPage] = [
+        (page, key, UNSEALED, expected)
+        for page, ((key, _), ok) in enumerate(zip(pages, sealed, strict=True))
+        if not ok
+    ]
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*[True] * good, *[False] * (len(keys) - good)]
 
