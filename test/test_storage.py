@@ -1147,20 +1147,3 @@ def test_hf3fs_shared_metadata_server(
     ours.before = host_pages(host, torch.arange(host.page_num))
     assert restarted.fetch(ours.hashes, page_token_indices(ours.dst)) == 6
     ours.check(6)
-
-
-def test_seal_digest_is_xxh3_and_pages_keep_their_order():
-    """The digest outside the GIL is xxh3-64 itself (python-xxhash's own
-    symbol), for any length; ``map_pages`` answers in the pages' order."""
-    import numpy as np
-    import xxhash
-
-    from sglang_mxfp8_hicache import seal
-
-    gen = np.random.default_rng(3)
-    for length in (0, 1, 31, 4096, 540_800):
-        data = gen.integers(0, 256, length, dtype=np.uint8)
-        assert seal.digest(data, 77) == xxhash.xxh3_64_intdigest(data, seed=77)
-    assert seal.map_pages(lambda n: n * n, list(range(300))) == [
-        n * n for n in range(300)
-    ]

@@ -14,22 +14,9 @@ A seal is 24 bytes at the start of the part's last ``page.seal_bytes``:
 stored under another key, or by a pool of another format, does not match;
 ``digest`` is xxh3-64 of every byte of the part before its seal, with that
 seed. SGLang already depends on ``xxhash``.
-
-A digest is a pass over the page in host memory, several GB/s per core, on
-the L3 path of these backends only. ``map_pages`` runs it for a batch's pages
-on up to ``DIGEST_THREADS`` threads: the digest is python-xxhash's own
-``XXH3_64bits_withSeed`` called through ctypes, which releases the GIL (the
-Python binding holds it); where that symbol cannot be found, pages are
-digested one after another by the binding, with the same result.
 """
 
 from __future__ import annotations
-
-import ctypes
-import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -39,53 +26,14 @@ from sglang_mxfp8_hicache.page import SEAL_CONTENT_BYTES
 MAGIC = b"MXHCSEAL"
 
 
-DIGEST_THREADS = min(8, os.cpu_count() or 1)
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-def _native_xxh3() -> Callable[[int, int, int], int] | None:
-    """``XXH3_64bits_withSeed(pointer, length, seed)`` of python-xxhash's
-    extension, or None if it does not export it."""
-    try:
-        function = ctypes.CDLL(xxhash._xxhash.__file__).XXH3_64bits_withSeed
-    except (OSError, AttributeError):
-        return None
-    function.restype = ctypes.c_uint64
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64]
-    return function
-
-
-_XXH3 = _native_xxh3()
-_threads: ThreadPoolExecutor | None = None
-
-
-def digest(data: np.ndarray, seed: int) -> int:
-    """xxh3-64 of ``data`` (uint8) under ``seed``."""
-    if _XXH3 is not None and data.flags.c_contiguous:
-        return _XXH3(data.ctypes.data, data.nbytes, seed)
-    return xxhash.xxh3_64_intdigest(data, seed=seed)
-
-
-def map_pages(function: Callable[[T], R], pages: Sequence[T]) -> list[R]:
-    """``function`` over ``pages``, on threads where digests leave the GIL."""
-    global _threads
-    if _XXH3 is None or DIGEST_THREADS < 2 or len(pages) < 2:
-        return [function(page) for page in pages]
-    if _threads is None:
-        _threads = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="l3-seal")
-    return list(_threads.map(function, pages))
-
-
 def key_seed(tag: str, key: str) -> int:
     """The seed of a page stored under ``key`` by a pool of format ``tag``."""
     return xxhash.xxh3_64_intdigest(f"{tag}/{key}".encode())
 
 
 def _content(seed: int, part: np.ndarray, seal_bytes: int) -> bytes:
-    value = digest(part[:-seal_bytes], seed)
-    return MAGIC + seed.to_bytes(8, "little") + value.to_bytes(8, "little")
+    digest = xxhash.xxh3_64_intdigest(part[:-seal_bytes], seed=seed)
+    return MAGIC + seed.to_bytes(8, "little") + digest.to_bytes(8, "little")
 
 
 def write(part: np.ndarray, seal_bytes: int, seed: int) -> None:

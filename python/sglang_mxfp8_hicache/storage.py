@@ -344,10 +344,8 @@ def _sealed_set(
     **kwargs: Any,
 ) -> Any:
     """A generic ``batch_set`` of flat pages (views of host pages), sealed first."""
-    seal.map_pages(
-        lambda page: _seal_page(pool, page[1], page[0]),
-        list(zip(keys, values, strict=True)),
-    )
+    for key, value in zip(keys, values, strict=True):
+        _seal_page(pool, value, key)
     return write(keys, values, *args, **kwargs)
 
 
@@ -360,10 +358,8 @@ def _sealed_set_v1(
     **kwargs: Any,
 ) -> Any:
     """A zero-copy ``batch_set_v1``, each host page sealed first."""
-    seal.map_pages(
-        lambda page: _seal_page(pool, page[1], page[0]),
-        list(zip(keys, _host_pages(pool, host_indices), strict=True)),
-    )
+    for key, page in zip(keys, _host_pages(pool, host_indices), strict=True):
+        _seal_page(pool, page, key)
     return write(keys, host_indices, *args, **kwargs)
 
 
@@ -381,23 +377,17 @@ def _checked_get(
     if results is None:
         return [None] * len(keys)
     expected = pool.host_page.span_bytes
-    # SGLang takes no page after a miss.
-    returned = next((n for n, r in enumerate(results) if r is None), len(keys))
-
-    def size_or_seal(page: tuple[str, torch.Tensor]) -> int:
-        found = page[1].numel() * page[1].element_size()
+    wrong: list[WrongPage] = []
+    returned = len(keys)
+    for page, (key, result) in enumerate(zip(keys, results, strict=True)):
+        if result is None:  # SGLang takes no page after a miss
+            returned = page
+            break
+        found = result.numel() * result.element_size()
         if found != expected:
-            return found
-        return expected if _page_is_sealed(pool, page[1], page[0]) else UNSEALED
-
-    found = seal.map_pages(
-        size_or_seal, list(zip(keys, results, strict=True))[:returned]
-    )
-    wrong: list[WrongPage] = [
-        (page, key, size, expected)
-        for page, (key, size) in enumerate(zip(keys[:returned], found, strict=True))
-        if size != expected
-    ]
+            wrong.append((page, key, found, expected))
+        elif not _page_is_sealed(pool, result, key):
+            wrong.append((page, key, UNSEALED, expected))
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*results[:good], *[None] * (len(keys) - good)]
 
@@ -418,14 +408,15 @@ def _checked_get_v1(
     if results is None:
         return [False] * len(keys)
     expected = pool.host_page.span_bytes
-    returned = next((n for n, hit in enumerate(results) if not hit), len(keys))
-    pages = list(zip(keys, _host_pages(pool, host_indices), strict=True))[:returned]
-    sealed = seal.map_pages(lambda page: _page_is_sealed(pool, page[1], page[0]), pages)
-    wrong: list[WrongPage] = [
-        (page, key, UNSEALED, expected)
-        for page, ((key, _), ok) in enumerate(zip(pages, sealed, strict=True))
-        if not ok
-    ]
+    wrong: list[WrongPage] = []
+    returned = len(keys)
+    pages = _host_pages(pool, host_indices)
+    for page, (key, hit, flat) in enumerate(zip(keys, results, pages, strict=True)):
+        if not hit:
+            returned = page
+            break
+        if not _page_is_sealed(pool, flat, key):
+            wrong.append((page, key, UNSEALED, expected))
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*[True] * good, *[False] * (len(keys) - good)]
 
