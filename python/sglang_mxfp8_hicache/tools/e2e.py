@@ -913,8 +913,9 @@ def run_modes(
     """Each mode in a fresh process running every setup in ``setups``, then
     mode ours once per L3 backend in ``l3``; the verdicts by key: the mode for
     setup ``kv`` (``ours``), ``setup:mode`` for the others (``draft:ours``),
-    ``ours+file`` for L3. ``l3_config`` is the backends' extra config where
-    they need one (``L3_CONFIG_ENV``)."""
+    ``ours+file`` for L3. ``l3_config`` (``L3_CONFIG_ENV``) is the extra
+    config of every backend in ``l3``: pass it for those that need one
+    (mooncake, seaweedfs, dynamic), in a call of their own."""
     import subprocess
 
     runs = {mode: ["--mode", mode, "--setup", ",".join(setups)] for mode in modes}
