@@ -485,6 +485,14 @@ def test_help_lists_every_command(capsys):
         "--drafts",
     ):
         assert flag in out
+    from sglang_mxfp8_hicache.tools import bench, bench_l3, cli
+
+    assert cli.BENCH_SETUPS == bench.SETUPS
+    flat = " ".join(out.split())
+    for setup in bench.SETUPS:
+        assert setup in flat
+    for backend in bench_l3.BACKENDS:
+        assert backend in flat
 
 
 def test_bench_needs_cuda_after_good_arguments(capsys, monkeypatch):

@@ -3,10 +3,10 @@
 - ``check [--json] [--e2e]``: plugin, hook and dispatch, sizing and, on CUDA, a
   round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache controller);
 - ``size``: host-tier bytes and tokens per rank, with and without the scales;
-- ``bench [--check] [--setup page_first,draft,layer_first]``: host pool
-  transfer times on one CUDA GPU;
-  ``bench --l3 file|hf3fs|nixl|mooncake|seaweedfs``: L3 put and get of MXFP8 pages against
-  payload-only pages (``tools/bench_l3.py``).
+- ``bench [--check] [--setup NAME,...]``: host pool transfer times on one
+  CUDA GPU;
+  ``bench --l3 file|hf3fs|nixl|mooncake|seaweedfs``: L3 put and get of MXFP8
+  pages against payload-only pages (``tools/bench_l3.py``).
 
 ``--help`` lists the commands from their parsers. Bad input ends in one line on
 stderr and exit code 2, never a traceback: argparse types check each flag where
@@ -44,6 +44,16 @@ OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 EXAMPLE_MODEL = ModelGeometry(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
 EXAMPLE_DEVICE_TOKENS = 500_000
 BENCH_LAYERS = 8
+BENCH_SETUPS = (
+    "page_first",
+    "draft",
+    "layer_first",
+    "direct",
+    "page_head",
+    *(f.name for f in FORMATS.values() if f.payload_bits == 4),
+)
+"""``bench.SETUPS``, named here so that ``--help`` does not import torch
+(``test_cli`` checks that they agree)."""
 """Layers of a bench geometry written without them (``8x128``), as in bench.py."""
 L2_WARMUP, L2_REPEAT = 3, 20
 L3_WARMUP, L3_REPEAT = 1, 5
@@ -818,14 +828,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time backups and loads of several host pools side by side on\n"
         "one CUDA GPU. Exit 0 when the benchmark completed; with --check,\n"
         "exit 1 if a cell misses its goal.\n\n"
-        "--setup page_first,draft,layer_first: the host pools of each setup in\n"
-        "turn: page_first (default); draft, with --drafts packed one-layer\n"
-        "MTP/NextN draft pools, each loaded right after the target layer of\n"
-        "its depth; layer_first host payload. A class that refuses a setup\n"
-        "(SGLang's MXFP8 class: page_first only) shows 'refused'.\n\n"
-        "--l3 file|hf3fs|nixl|mooncake|seaweedfs: put and get of MXFP8 pages and of the same model's\n"
-        "payload-only pages through that L3 backend, as SGLang's cache controller\n"
-        "moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
+        f"--setup {','.join(BENCH_SETUPS)}: the host pools of\n"
+        "each setup in turn: page_first (default); draft, with --drafts packed\n"
+        "one-layer MTP/NextN draft pools, each loaded right after the target\n"
+        "layer of its depth; layer_first; direct (page_first_direct with\n"
+        "--hicache-io-backend direct); page_head (heads-major pages); an FP4\n"
+        "recipe's pools. A class that refuses a setup (SGLang's MXFP8 class:\n"
+        "page_first only) shows 'refused'.\n\n"
+        "--l3 file|hf3fs|nixl|mooncake|seaweedfs: put and get of MXFP8 pages\n"
+        "and of the same model's payload-only pages through that L3 backend,\n"
+        "as SGLang's cache controller moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
         "time from 64 pages (--check: exit 1 if not). Exit 1 also if L3 loses\n"
         "or changes a page.",
     )
@@ -856,8 +868,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=setup_names,
         action="append",
         metavar="NAME,...",
-        help="host pool setups, comma separated or repeated: page_first, draft, "
-        "layer_first (default: page_first)",
+        help=f"host pool setups, comma separated or repeated: {', '.join(BENCH_SETUPS)} "
+        "(default: page_first)",
     )
     bench.add_argument(
         "--drafts",
