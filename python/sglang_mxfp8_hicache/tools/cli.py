@@ -837,9 +837,9 @@ def build_parser() -> argparse.ArgumentParser:
         "page_first only) shows 'refused'.\n\n"
         "--l3 file|hf3fs|nixl|mooncake|seaweedfs: put and get of MXFP8 pages\n"
         "and of the same model's payload-only pages through that L3 backend,\n"
-        "as SGLang's cache controller moves them, for one geometry. Goal: MXFP8 at most 1.05x payload-only\n"
-        "time from 64 pages (--check: exit 1 if not). Exit 1 also if L3 loses\n"
-        "or changes a page.",
+        "as SGLang's cache controller moves them, for one geometry. Goal:\n"
+        "MXFP8 at most 1.05x payload-only time from 64 pages (--check: exit 1\n"
+        "if not). Exit 1 also if L3 loses or changes a page.",
     )
     bench.add_argument(
         "--geometries",
