@@ -561,8 +561,7 @@ def test_mooncake_pointers_lie_in_registered_buffers(
 
 
 def _file_path(io: StoragePageIO, key: str) -> str:
-    backend = io.storage_backend
-    return os.path.join(backend.file_path, f"{backend._get_suffixed_key(key)}.bin")
+    return storage.file_page_path(io.storage_backend, key)
 
 
 def _mooncake_keys(io: StoragePageIO, key: str) -> tuple[str, str]:
@@ -605,10 +604,7 @@ def _plant_nixl(io: StoragePageIO, key: str, fault: str) -> None:
     smaller object rewritten under the key does (NIXL opens without O_TRUNC);
     ``other_page`` copies another page's files over its own."""
     backend = io.storage_backend
-    [k_path, v_path] = [
-        backend.file_manager.get_file_path(name)
-        for name in backend._get_key_list_from_meta([key])
-    ]
+    [k_path, v_path] = storage.nixl_page_paths(backend, [key])
     if fault == "missing":
         os.remove(k_path)
         os.remove(v_path)

@@ -457,9 +457,8 @@ def _file_batch_get_checked(
     wrong: list[WrongPage] = []
     for page, (key, target) in enumerate(zip(keys, target_locations, strict=True)):
         expected = target.numel() * target.element_size()
-        path = os.path.join(backend.file_path, f"{backend._get_suffixed_key(key)}.bin")
         try:
-            found = os.path.getsize(path)
+            found = os.path.getsize(file_page_path(backend, key))
         except OSError:
             continue  # missing: HiCacheFile.get logs it and misses
         if found != expected:
@@ -514,6 +513,22 @@ def _read_leading(
     return [*results, *[False] * (len(keys) - good)]
 
 
+def file_page_path(backend: Any, key: str) -> str:
+    """Where ``HiCacheFile`` keeps the page of ``key``."""
+    return os.path.join(backend.file_path, f"{backend._get_suffixed_key(key)}.bin")
+
+
+def nixl_page_paths(backend: Any, keys: Sequence[str]) -> list[str]:
+    """Where ``HiCacheNixl`` (file plugins) keeps the pages of ``keys``: a
+    file per K and V part in zero-copy mode, one per flat page otherwise."""
+    names = (
+        backend._get_key_list_from_meta(keys)
+        if backend.is_zero_copy
+        else [backend._get_suffixed_key(key) for key in keys]
+    )
+    return [backend.file_manager.get_file_path(name) for name in names]
+
+
 def _nixl_batch_get_checked(
     read: Callable[..., Any],
     backend: Any,
@@ -528,23 +543,22 @@ def _nixl_batch_get_checked(
     if not keys or backend.file_manager is None:
         return read(keys, host_indices, extra_info)
     page = backend.mem_pool_host.host_page
-    if backend.is_zero_copy:  # a file per part
-        names = backend._get_key_list_from_meta(keys)
+    paths = nixl_page_paths(backend, keys)
+    if backend.is_zero_copy:
         sizes = [page.k_part.span_bytes, page.v_part.span_bytes] * len(keys)
-    else:  # a file per flat page, through NIXL's bounce buffer
-        names = [backend._get_suffixed_key(key) for key in keys]
+    else:
         sizes = [page.span_bytes] * len(keys)
-    per_page = len(names) // len(keys)
+    per_page = len(paths) // len(keys)
     wrong: list[WrongPage] = []
     present = len(keys)
-    for n, (name, expected) in enumerate(zip(names, sizes, strict=True)):
+    for n, (path, expected) in enumerate(zip(paths, sizes, strict=True)):
         try:
-            found = os.path.getsize(backend.file_manager.get_file_path(name))
+            found = os.path.getsize(path)
         except OSError:
             present = n // per_page
             break
         if found != expected and (not wrong or wrong[-1][0] != n // per_page):
-            wrong.append((n // per_page, name, found, expected))
+            wrong.append((n // per_page, os.path.basename(path), found, expected))
     good = min(present, _leading_good_pages(wrong, len(keys)))
     return _read_leading(read, keys, host_indices, extra_info, good)
 

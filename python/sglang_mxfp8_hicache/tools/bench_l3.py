@@ -181,18 +181,11 @@ def _remove(
         backend.metadata_client.delete_keys(backend.rank, hashes)
         return
     if io.backend_name in ("file", "nixl"):
-        if io.backend_name == "file":
-            paths = [
-                os.path.join(backend.file_path, f"{backend._get_suffixed_key(k)}.bin")
-                for k in hashes
-            ]
-        else:
-            names = (
-                backend._get_key_list_from_meta(hashes)
-                if backend.is_zero_copy
-                else [backend._get_suffixed_key(k) for k in hashes]
-            )
-            paths = [backend.file_manager.get_file_path(n) for n in names]
+        paths = (
+            [storage.file_page_path(backend, key) for key in hashes]
+            if io.backend_name == "file"
+            else storage.nixl_page_paths(backend, hashes)
+        )
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
