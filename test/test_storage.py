@@ -106,12 +106,8 @@ def backend(request, tmp_path, monkeypatch, storage_hooks):
             # only close it; pytest keeps its own.
             monkeypatch.setattr(signal, "signal", lambda *args: None)
         local = local_backend(request.param, str(tmp_path))
-        for name, value in local.env.items():
-            if value is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, value)
-        yield request.param, local.extra_config
+        with local.environment():
+            yield request.param, local.extra_config
     elif request.param in ("mooncake", "seaweedfs"):
         service = request.getfixturevalue(request.param)
         yield request.param, service.extra_config()
@@ -1116,14 +1112,13 @@ def test_hf3fs_shared_metadata_server(
     local = local_backend(
         "hf3fs", str(tmp_path), hf3fs_metadata_url=hf3fs_metadata_server
     )
-    for name, value in local.env.items():
-        monkeypatch.setenv(name, value)
     model = f"model-{uuid.uuid4().hex[:8]}"
 
     def open_(pool):
-        return StoragePageIO.open(
-            "hf3fs", pool, model_name=model, extra_config=local.extra_config
-        )
+        with local.environment():
+            return StoragePageIO.open(
+                "hf3fs", pool, model_name=model, extra_config=local.extra_config
+            )
 
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=6)
     first = open_(host)

@@ -207,25 +207,6 @@ def _remove(
 
 
 @contextlib.contextmanager
-def _env_set(env: Mapping[str, str | None]) -> Iterator[None]:
-    """``env`` in ``os.environ`` (None: removed) while open."""
-    saved = {name: os.environ.get(name) for name in env}
-    try:
-        for name, value in env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
 def _signal_handlers_kept() -> Iterator[None]:
     """HiCacheHF3FS replaces SIGINT/SIGTERM/SIGQUIT handlers with ones that
     only close it; the bench keeps its own, so Ctrl-C still stops it."""
@@ -503,7 +484,7 @@ def _open_all(
                 os.path.join(root, name),
                 size_bytes=SEGMENT_HEADROOM * max_pages * page_bytes(pool),
             )
-            with _env_set(local.env):
+            with local.environment():
                 ios[name] = _open(
                     stack, backend, pool, run_id, name, local.extra_config
                 )

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
+from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, LocalBackend, local_backend
 from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE as PAGE
 from sglang_mxfp8_hicache.tools.selfcheck import (
     PayloadOnlyHost,
@@ -760,29 +761,21 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     return {"untouched_pages_kept": untouched}
 
 
-def _l3_extra_config(backend: str) -> dict:
-    """``L3_CONFIG_ENV`` if set, else a local run of ``backend`` in a fresh
-    directory (its environment set in this process, which runs nothing else)."""
+def _l3_backend(backend: str) -> LocalBackend:
+    """``tools.l3.LocalBackend`` of ``backend``: the extra config in
+    ``L3_CONFIG_ENV`` if set, else a local run in a fresh directory."""
     import tempfile
-
-    from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, local_backend
 
     config = os.environ.get(L3_CONFIG_ENV)
     if config:
-        return json.loads(config)
+        return LocalBackend(json.loads(config), {})
     if backend not in LOCAL_BACKENDS:
         raise RuntimeError(
             f"--l3 {backend} needs {L3_CONFIG_ENV}: the JSON of "
             "--hicache-storage-backend-extra-config (a running service for "
             "mooncake and seaweedfs, the class for dynamic)"
         )
-    local = local_backend(backend, tempfile.mkdtemp(prefix=f"mxfp8-l3-{backend}-"))
-    for name, value in local.env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    return local.extra_config
+    return local_backend(backend, tempfile.mkdtemp(prefix=f"mxfp8-l3-{backend}-"))
 
 
 def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
@@ -793,7 +786,7 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
 
     model = "e2e-model"
-    extra_config = _l3_extra_config(backend)
+    local = _l3_backend(backend)
     # Runtime attach, SGLang's admin path: a refused backend first.
     try:
         controller.attach_storage_backend(REFUSED_ATTACH, model_name=model)
@@ -801,9 +794,12 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     except MXFP8HiCacheConfigError as exc:
         refused = str(exc)
     refusal_clean = not controller.enable_storage
-    controller.attach_storage_backend(
-        backend, model_name=model, storage_backend_extra_config=dict(extra_config)
-    )
+    with local.environment():  # the backend reads it when it is built
+        controller.attach_storage_backend(
+            backend,
+            model_name=model,
+            storage_backend_extra_config=dict(local.extra_config),
+        )
     all_host = torch.cat(host_indices)
     tokens = torch.randint(
         0, 1 << 20, (len(all_host),), generator=torch.Generator().manual_seed(7)

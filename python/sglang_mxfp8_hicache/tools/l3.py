@@ -13,8 +13,10 @@ is in L3. What is left out is the queues and threads around them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,24 @@ class LocalBackend:
     extra_config: dict[str, Any]
     env: dict[str, str | None]
     """Variables to set (None: to clear) before the backend is built."""
+
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[None]:
+        """``env`` in ``os.environ`` while open; what was there before after."""
+        saved = {name: os.environ.get(name) for name in self.env}
+        try:
+            _set_environ(self.env)
+            yield
+        finally:
+            _set_environ(saved)
+
+
+def _set_environ(env: dict[str, str | None]) -> None:
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def local_backend(
