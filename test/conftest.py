@@ -152,6 +152,22 @@ def hf3fs_metadata_server():
 
 
 @pytest.fixture(scope="session")
+def seaweedfs():
+    """A SeaweedFS server with its S3 gateway on 127.0.0.1 for the session
+    (``tools.seaweedfs_loopback``)."""
+    from sglang_mxfp8_hicache.tools.seaweedfs_loopback import (
+        SeaweedFSLoopback,
+        seaweedfs_available,
+    )
+
+    reason = seaweedfs_available()
+    if reason is not None:
+        pytest.skip(f"SeaweedFS unavailable: {reason}")
+    with SeaweedFSLoopback() as service:
+        yield service
+
+
+@pytest.fixture(scope="session")
 def mooncake():
     """A real Mooncake master and storage node on 127.0.0.1 for the session
     (``tools.mooncake_loopback``); skips where Mooncake cannot run.

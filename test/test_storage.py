@@ -78,22 +78,6 @@ def dynamic_config(v1: bool) -> dict:
     }
 
 
-@pytest.fixture(scope="session")
-def seaweedfs():
-    """A SeaweedFS server with its S3 gateway on 127.0.0.1 for the session
-    (``tools.seaweedfs_loopback``)."""
-    from sglang_mxfp8_hicache.tools.seaweedfs_loopback import (
-        SeaweedFSLoopback,
-        seaweedfs_available,
-    )
-
-    reason = seaweedfs_available()
-    if reason is not None:
-        pytest.skip(f"SeaweedFS unavailable: {reason}")
-    with SeaweedFSLoopback() as service:
-        yield service
-
-
 @pytest.fixture(
     params=["file", "mooncake", "dynamic", "dynamic_v1", "hf3fs", "nixl", "seaweedfs"]
 )
