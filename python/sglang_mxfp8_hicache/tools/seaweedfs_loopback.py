@@ -107,7 +107,7 @@ class SeaweedFSLoopback:
                 "-s3.port.iceberg=0",
                 "-master.telemetry=false",
                 "-master.volumeSizeLimitMB=64",
-                "-volume.max=16",
+                "-volume.max=0",  # as many 64 MB volumes as the disk holds
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
