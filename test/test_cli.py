@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sglang_mxfp8_hicache import __version__
+from sglang_mxfp8_hicache.tools import cli
 from sglang_mxfp8_hicache.tools.cli import main
 
 LLAMA_8B = {
@@ -635,3 +636,24 @@ def test_check_command():
         m[1] for line in done.stderr.splitlines() if (m := ended.fullmatch(line))
     ]
     assert progress == [f"{name}: {step['status']}" for name, step in steps.items()]
+
+
+@pytest.mark.parametrize(
+    "flags, code", [([], 0), (["--require-gpu"], 1)], ids=["plain", "require_gpu"]
+)
+def test_check_require_gpu(monkeypatch, capsys, flags, code):
+    """A GPU step that could not run is not a failure, unless --require-gpu
+    asks for the GPU steps (CI of GPU users); the exit names the step."""
+    for name in (
+        "_check_version",
+        "_check_entry_point",
+        "_check_fresh_process",
+        "_check_dispatch",
+        "_check_sizing",
+    ):
+        monkeypatch.setattr(cli, name, lambda: (cli.OK, "stand-in"))
+    monkeypatch.setattr(cli, "_check_round_trip", lambda: (cli.SKIPPED, "no CUDA"))
+    exit_code, out, err = run_cli(["check", *flags], capsys)
+    assert exit_code == code
+    assert "Not run on this machine: GPU round trip." in out
+    assert ("--require-gpu: GPU round trip did not run." in err) == bool(code)

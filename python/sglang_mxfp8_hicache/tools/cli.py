@@ -230,6 +230,11 @@ def _restored_exactly(verdict: dict) -> bool:
     )
 
 
+def _e2e_progress(line: str) -> None:
+    """An e2e step's processes, each as it ends: a step takes minutes."""
+    print(f"  {line}", file=sys.stderr, flush=True)
+
+
 def _check_e2e() -> tuple[str, str]:
     import torch
 
@@ -237,7 +242,7 @@ def _check_e2e() -> tuple[str, str]:
         return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
     from sglang_mxfp8_hicache.tools.e2e import SEQ_LENS, run_modes
 
-    verdicts = run_modes()
+    verdicts = run_modes(progress=_e2e_progress)
     errors = {
         m: v["error"].splitlines()[-1] for m, v in verdicts.items() if "error" in v
     }
@@ -270,7 +275,9 @@ def _check_e2e_fp4() -> tuple[str, str]:
     from sglang_mxfp8_hicache.tools.e2e import run_modes
 
     setup = "fp4_mx_block16"
-    verdicts = run_modes(modes=("ours", "plain"), setups=(setup,))
+    verdicts = run_modes(
+        modes=("ours", "plain"), setups=(setup,), progress=_e2e_progress
+    )
     ours, plain = verdicts.get(f"{setup}:ours", {}), verdicts.get(f"{setup}:plain", {})
     for v in (ours, plain):
         if "error" in v or not v:
@@ -301,12 +308,15 @@ def _check_e2e_l3() -> tuple[str, str]:
         mooncake_available,
     )
 
-    verdicts = run_modes(modes=(), l3=("file",))
+    verdicts = run_modes(modes=(), l3=("file",), progress=_e2e_progress)
     mooncake_missing = mooncake_available()
     if mooncake_missing is None:
         with MooncakeLoopback() as service:
             verdicts |= run_modes(
-                modes=(), l3=("mooncake",), l3_config=service.extra_config()
+                modes=(),
+                l3=("mooncake",),
+                l3_config=service.extra_config(),
+                progress=_e2e_progress,
             )
     details, ok = [], True
     for key, v in verdicts.items():
@@ -355,16 +365,21 @@ def cmd_check(args: argparse.Namespace) -> int:
         steps.append(_run_step(name, fn))
         took = time.monotonic() - started
         print(f"{name}: {steps[-1].status} ({took:.0f} s)", file=sys.stderr, flush=True)
+    skipped = [s.name for s in steps if s.status == SKIPPED]
     if args.json:
         print(json.dumps([asdict(s) for s in steps], indent=2))
     else:
         print_table(
             ["step", "status", "detail"], [[s.name, s.status, s.detail] for s in steps]
         )
-        skipped = [s.name for s in steps if s.status == SKIPPED]
         if skipped:
             print(f"\nNot run on this machine: {', '.join(skipped)}.")
-    return 1 if any(s.status == FAIL for s in steps) else 0
+    if any(s.status == FAIL for s in steps):
+        return 1
+    if args.require_gpu and skipped:
+        print(f"--require-gpu: {', '.join(skipped)} did not run.", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _model(args: argparse.Namespace) -> ModelGeometry:
@@ -741,7 +756,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(--e2e: also through SGLang's HiCache controller)",
         description="Verify the install: SGLang version, plugin entry point and hook,\n"
         "dispatch on MXFP8 and FP4 pools, sizing and, on a CUDA GPU, a round trip.\n"
-        "Each step reports on stderr as it ends. Exit 1 if a step fails.",
+        "Each step reports on stderr as it ends (--e2e: each of its processes\n"
+        "too). Exit 1 if a step fails (--require-gpu: or a GPU step did not run).",
     )
     check.add_argument("--json", action="store_true", help="print the steps as JSON")
     check.add_argument(
@@ -749,6 +765,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also run real MXFP8 and fp4_mx_block16 KV through SGLang's HiCache "
         "controller, and L3 storage (GPU; minutes)",
+    )
+    check.add_argument(
+        "--require-gpu",
+        action="store_true",
+        help="exit 1 if a GPU step could not run (CI on GPU machines)",
     )
     check.set_defaults(func=cmd_check)
 

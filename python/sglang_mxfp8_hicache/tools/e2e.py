@@ -37,6 +37,8 @@ import os
 import socket
 import sys
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -905,13 +907,15 @@ def run_modes(
     l3: tuple[str, ...] = (),
     l3_config: dict | None = None,
     setups: tuple[str, ...] = ("kv",),
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
     """Each mode in a fresh process running every setup in ``setups``, then
     mode ours once per L3 backend in ``l3``; the verdicts by key: the mode for
     setup ``kv`` (``ours``), ``setup:mode`` for the others (``draft:ours``),
     ``ours+file`` for L3. ``l3_config`` (``L3_CONFIG_ENV``) is the extra
     config of every backend in ``l3``: pass it for those that need one
-    (mooncake, seaweedfs, dynamic), in a call of their own."""
+    (mooncake, seaweedfs, dynamic), in a call of their own. ``progress``
+    gets one line per process as it ends (each takes up to a minute)."""
     import subprocess
 
     runs = {mode: ["--mode", mode, "--setup", ",".join(setups)] for mode in modes}
@@ -921,6 +925,7 @@ def run_modes(
         env[L3_CONFIG_ENV] = json.dumps(l3_config)
     verdicts = {}
     for key, argv in runs.items():
+        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", *argv],
             capture_output=True,
@@ -929,6 +934,9 @@ def run_modes(
             check=False,
             env=env,
         )
+        if progress is not None:
+            ended = "failed" if done.returncode else "done"
+            progress(f"{key}: {ended} ({time.monotonic() - started:.0f} s)")
         if done.returncode:
             verdicts[key] = {"mode": key, "error": done.stderr.strip()[-2000:]}
             continue
