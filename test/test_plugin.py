@@ -93,6 +93,7 @@ def test_register_is_idempotent(recorded_hooks):
         storage.FACTORY_HOOK_TARGET,
         plugin.STAGING_HOOK_TARGET,
         plugin.PRE_SIZING_HOOK_TARGET,
+        plugin.SERVER_ARGS_HOOK_TARGET,
     ]
     assert plugin.is_registered()
 
@@ -236,3 +237,100 @@ def test_core_imports_no_tools_and_no_cycle():
 
     cycles = [name for name in core if reaches(name, name, set())]
     assert cycles == [], f"import cycle through {cycles}"
+
+
+FLAG_CASES = {
+    "page_size": (["--page-size", "64"], "set --page-size 128"),
+    "layout": (
+        ["--hicache-mem-layout", "page_first_kv_split"],
+        "--hicache-mem-layout page_first_kv_split is not served",
+    ),
+    "io_backend": (["--hicache-io-backend", "kernel_ascend"], "kernel_ascend is not"),
+    "nixl_direct_io": (
+        [
+            "--hicache-storage-backend",
+            "nixl",
+            "--hicache-storage-backend-extra-config",
+            '{"use_direct_io": true}',
+        ],
+        '"use_direct_io": false',
+    ),
+    "storage": (["--hicache-storage-backend", "aibrix"], "aibrix cannot store"),
+    "sealed_page_head": (
+        ["--hicache-storage-backend", "hf3fs", "--hicache-mem-layout", "page_head"],
+        "a heads-major page has none",
+    ),
+    "decode_host_receive": (
+        ["--disaggregation-decode-host-receive-threshold", "0.5"],
+        "leave the threshold at 1",
+    ),
+    "served": (["--hicache-storage-backend", "file"], None),
+    "fp4_any_page_size": (["--kv-cache-dtype", "fp4_mx_block16"], None),
+}
+_RESOLVE = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+base = ["--model-path", "dummy", "--kv-cache-dtype", "mxfp8", "--page-size", "128",
+        "--enable-hierarchical-cache"]
+for case in json.loads(sys.argv[1]):
+    try:
+        prepare_server_args(base + case).resolve_once()
+        print(json.dumps(None))
+    except Exception as exc:
+        print(json.dumps(f"{type(exc).__name__}: {exc}"))
+"""
+
+
+def test_flags_refused_when_sglang_resolves_them():
+    """Each row of the refusal table stops a launch when SGLang resolves its
+    server arguments (the plugin's hook on ``ServerArgs.resolve_once``, in a
+    fresh process as a launcher runs it), with the pool's reason; served
+    flags, and FP4 at a page size other than 128, pass."""
+    argv = json.dumps([flags for flags, _ in FLAG_CASES.values()])
+    done = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    for (name, (_, says)), result in zip(FLAG_CASES.items(), results, strict=True):
+        if says is None:
+            assert result is None, (name, result)
+        else:
+            assert result.startswith("MXFP8HiCacheConfigError: mxfp8 HiCache"), name
+            assert says in result, (name, result)
+
+
+def test_launch_server_refuses_flags_before_the_model():
+    """``python -m sglang.launch_server`` with a refused flag exits with the
+    reason as soon as its arguments are resolved, before a model is loaded
+    (``dummy``: SGLang's path for no model)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "dummy",
+            "--kv-cache-dtype",
+            "mxfp8",
+            "--page-size",
+            "64",
+            "--enable-hierarchical-cache",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode != 0
+    [line] = [
+        line
+        for line in done.stderr.splitlines()
+        if line.startswith("sglang_mxfp8_hicache.errors.MXFP8HiCacheConfigError")
+    ]
+    assert "set --page-size 128" in line

@@ -53,6 +53,9 @@ FP4_MX_BLOCK16 = ScaleFormat(
     "fp4_mx_block16", sf_block=16, payload_bits=4, interleaved=False
 )
 NVFP4 = ScaleFormat("nvfp4", sf_block=16, payload_bits=4, interleaved=False)
+INTERLEAVED_PAGE_SIZE = 128
+"""The page size at which SGLang 0.5.23 keeps MXFP8 scales interleaved (the FA4
+atom), the only MXFP8 scale layout its write paths write."""
 FORMATS = {f.name: f for f in (MXFP8, FP4_MX_BLOCK16, NVFP4)}
 """Every format this package serves, by ``--kv-cache-dtype``."""
 FP4_FORMAT_NAMES = tuple(f.name for f in FORMATS.values() if f.payload_bits == 4)

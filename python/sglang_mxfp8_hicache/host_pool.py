@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVScaleLayout
 from sglang.srt.mem_cache.pool_host.common import (
     ALLOC_MEMORY_FUNCS,
     make_kernel_ptr_table,
@@ -59,19 +58,17 @@ from sglang_mxfp8_hicache.geometry import (
     is_packed_fp4,
 )
 from sglang_mxfp8_hicache.page import PARTS, HostPage
-from sglang_mxfp8_hicache.storage import nixl_direct_io, storage_refusal
+from sglang_mxfp8_hicache.refusals import (
+    HEADS_MAJOR_LAYOUT,
+    SERVED_IO_BACKENDS,
+    HiCacheFlags,
+    refusal,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 
 logger = logging.getLogger(__name__)
-
-SERVED_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
-"""Host layouts SGLang offers for MHA pools, all served: ``page_head`` by the
-heads-major page (L3 head groups shared across TP sizes), the others by the
-layer-major one; SGLang's controller places a transfer's indices by the name."""
-HEADS_MAJOR_LAYOUT = "page_head"
-SERVED_IO_BACKENDS = ("kernel", "direct")
 
 
 def configured_io_backend() -> str | None:
@@ -319,54 +316,26 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "the device pool has no scale buffers of a format this host pool "
                 f"serves (--kv-cache-dtype {', '.join(FORMATS)})."
             )
-        scales = buffer_info.scales
-        interleaved = scales.layout == KVScaleLayout.MXFP8_INTERLEAVED
-        if interleaved != fmt.interleaved:
-            raise refuse(
-                f"device scales use the {scales.layout.value!r} layout (page_size "
-                f"{buffer_info.page_size}). SGLang 0.5.23 builds such MXFP8 pools "
-                "but none of its write paths writes them (set_kv_buffer needs the "
-                "page-interleaved layout of page_size 128), so there is nothing "
-                "to serve; set --page-size 128."
+        reason = refusal(
+            HiCacheFlags(
+                kv_cache_dtype=name,
+                page_size=buffer_info.page_size,
+                mem_layout=layout,
+                io_backend=configured_io_backend() or "kernel",
+                storage_backend=allocator_type,
+                storage_extra_config=configured_storage_extra_config(),
+                decode_host_receive=decode_host_receive(),
+                symmetric=buffer_info.v_head_dim == buffer_info.head_dim,
             )
+        )
+        if reason is not None:
+            raise refuse(reason)
         if page_size != buffer_info.page_size:
             raise refuse(
                 f"host page_size {page_size} != device page_size "
                 f"{buffer_info.page_size}; a host page must hold exactly one device "
                 "page. Give both the same --page-size."
             )
-        if layout not in SERVED_LAYOUTS:
-            raise refuse(
-                f"--hicache-mem-layout {layout} is not served: SGLang offers it "
-                "for no MHA host pool. Use --hicache-mem-layout "
-                f"{', '.join(SERVED_LAYOUTS)}."
-            )
-        io_backend = configured_io_backend()
-        if io_backend not in (None, *SERVED_IO_BACKENDS):
-            raise refuse(
-                f"--hicache-io-backend {io_backend} is not served (it is a "
-                "vendor path with its own page layout); use --hicache-io-backend "
-                f"{' or '.join(SERVED_IO_BACKENDS)}."
-            )
-        if decode_host_receive():
-            raise refuse(
-                "--disaggregation-decode-host-receive-threshold < 1 receives KV "
-                "into the host pool, and SGLang's decode side rejects block-scaled "
-                f"({name}) KV state there whatever the host pool "
-                "(StateType.BLOCK_SCALE); leave the threshold at 1."
-            )
-        extra_config = configured_storage_extra_config()
-        storage_reason = storage_refusal(
-            allocator_type,
-            name,
-            sealed=layout != HEADS_MAJOR_LAYOUT,
-            symmetric=buffer_info.v_head_dim == buffer_info.head_dim,
-            direct_io=allocator_type == "nixl"
-            and extra_config is not None
-            and nixl_direct_io(extra_config),
-        )
-        if storage_reason is not None:
-            raise refuse(storage_reason)
         if not current_platform.capabilities.hicache_device_kernels:
             raise refuse(
                 "the JIT HiCache kernels need a CUDA or ROCm GPU; this platform has "
@@ -381,6 +350,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "the V heads; SGLang serves no asymmetric FP4 KV cache. Use "
                 "--kv-cache-dtype mxfp8 for this model."
             )
+        scales = buffer_info.scales
         heads = (buffer_info.head_num, buffer_info.head_dim, buffer_info.v_head_dim)
         for depth, draft in enumerate(draft_buffer_infos):
             # Packed MTP/NextN draft layers are tail layers of this pool's pages.

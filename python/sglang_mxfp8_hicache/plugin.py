@@ -13,7 +13,8 @@ It also hooks SGLang's storage backend factory (see ``storage``): for our pools
 it refuses, by name, a backend that cannot carry block-scaled pages, and makes
 a stored page of the wrong size a miss on the backends it allows; and it keeps
 SGLang from allocating GPU staging for its payload write-back kernel, which
-our pools never use (``skip_payload_staging``).
+our pools never use (``skip_payload_staging``). Flags a pool would refuse stop
+a launch as soon as SGLang has resolved them (``refuse_unserved_flags``).
 
 Environment:
     SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
@@ -47,6 +48,7 @@ STAGING_HOOK_TARGET = (
     "sglang.srt.mem_cache.pool_host.mha.prepare_mha_write_back_staging"
 )
 PRE_SIZING_HOOK_TARGET = "sglang.srt.mem_cache.kv_cache_builder.prepare_hicache_staging"
+SERVER_ARGS_HOOK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
 """The first release with an MXFP8 HiCache host pool of its own; older ones
@@ -194,6 +196,24 @@ def _log_unsupported(found: str | None) -> None:
     )
 
 
+def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: Any):
+    """After SGLang resolves its server arguments (``ServerArgs.resolve_once``,
+    in every launcher before a model loads): flags our pool would refuse
+    (``refusals.REFUSALS``) stop the launch now, with the pool's reason."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from sglang_mxfp8_hicache.errors import MXFP8HiCacheConfigError
+    from sglang_mxfp8_hicache.geometry import FORMATS
+    from sglang_mxfp8_hicache.refusals import HiCacheFlags, refusal
+
+    view = resolving_view(server_args)
+    if view.enable_hierarchical_cache and view.kv_cache_dtype in FORMATS:
+        reason = refusal(HiCacheFlags.from_server_args(view))
+        if reason is not None:
+            raise MXFP8HiCacheConfigError(f"{view.kv_cache_dtype} HiCache: {reason}")
+    return result
+
+
 def _release(version: str) -> tuple[int, ...]:
     """(0, 5, 20) from '0.5.20', '0.5.20.post1' or '0.5.20rc0'."""
     from packaging.version import Version
@@ -230,5 +250,8 @@ def register() -> None:
     HookRegistry.register(STAGING_HOOK_TARGET, skip_payload_staging, HookType.AROUND)
     HookRegistry.register(
         PRE_SIZING_HOOK_TARGET, mark_staging_preparation, HookType.AROUND
+    )
+    HookRegistry.register(
+        SERVER_ARGS_HOOK_TARGET, refuse_unserved_flags, HookType.AFTER
     )
     _registered = True
