@@ -303,7 +303,7 @@ class EmulatedKernels:
                     assert indices.dim() == 1 and indices.is_contiguous()
                 if host_indices.numel() != device_indices.numel():
                     raise RuntimeError(f"{what}: index lengths differ")
-                assert refused.dtype == torch.int64 and refused.numel() in (0, 2)
+                assert refused.dtype == torch.int64 and refused.numel() == 2
                 if page_size <= 0 or max_blocks <= 0 or heads <= 0:
                     raise RuntimeError(
                         f"{what}: page_size, heads and max_blocks must be positive"

@@ -14,8 +14,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang_mxfp8_hicache import host_pool as host_pool_module
 from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.host_pool import (
+    BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
-    MXFP8HiCacheConfigError,
 )
 from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
 from sglang_mxfp8_hicache.tools.selfcheck import (
@@ -118,7 +118,7 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
         head_num=2, head_dim=128, layer_num=2, pages=4, page_size=64, device="cpu"
     )
     info = pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="set --page-size 128"):
+    with pytest.raises(BlockScaledHiCacheConfigError, match="set --page-size 128"):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(pool))
 
 
@@ -129,7 +129,7 @@ def test_refuses_layout_no_mha_pool_offers(
     """SGLang's internal page_unified and its MLA/NPU-only kv_split layout."""
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match=f"--hicache-mem-layout {layout} is not served: SGLang offers it for "
         "no MHA host pool. Use --hicache-mem-layout page_first, page_first_direct, "
         "layer_first, page_head",
@@ -166,7 +166,7 @@ def test_refuses_decode_host_receive(
     monkeypatch.setattr(host_pool_module, "decode_host_receive", lambda: True)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match="--disaggregation-decode-host-receive-threshold < 1 .*BLOCK_SCALE",
     ):
         MHATokenToKVPoolMXFP8Host(
@@ -180,7 +180,7 @@ def test_refuses_other_io_backend(cpu_kernels, no_allocation, mxfp8_pool, monkey
     )
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match="--hicache-io-backend kernel_ascend is not served .*"
         "use --hicache-io-backend kernel or direct",
     ):
@@ -192,7 +192,7 @@ def test_refuses_other_io_backend(cpu_kernels, no_allocation, mxfp8_pool, monkey
 def test_refuses_host_page_size_mismatch(cpu_kernels, no_allocation, mxfp8_pool):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="host page_size 64 != device page_size 128"
+        BlockScaledHiCacheConfigError, match="host page_size 64 != device page_size 128"
     ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(mxfp8_pool))
 
@@ -211,7 +211,7 @@ def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
     )
     draft_info = draft.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match="packed draft layer 0 is not a layer of the target's format "
         r"\(mxfp8\).*--kv-cache-dtype mxfp8",
     ):
@@ -230,7 +230,7 @@ def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
 def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool, backend):
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match=f"--hicache-storage-backend {backend} cannot store mxfp8 pages",
     ):
         MHATokenToKVPoolMXFP8Host(
@@ -248,7 +248,9 @@ def test_refuses_dynamic_storage_with_page_head(cpu_kernels, no_allocation, mxfp
     """A heads-major page has no seal to check a dynamic class's reads by:
     refused before the pool allocates."""
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="a heads-major page has none"):
+    with pytest.raises(
+        BlockScaledHiCacheConfigError, match="a heads-major page has none"
+    ):
         MHATokenToKVPoolMXFP8Host(
             info,
             2.0,
@@ -263,7 +265,7 @@ def test_refuses_dynamic_storage_with_page_head(cpu_kernels, no_allocation, mxfp
 def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
     # No cpu_kernels: the real platform gate of a CPU-only machine.
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
-    with pytest.raises(MXFP8HiCacheConfigError, match="need a CUDA or ROCm GPU"):
+    with pytest.raises(BlockScaledHiCacheConfigError, match="need a CUDA or ROCm GPU"):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
         )
@@ -284,7 +286,7 @@ def test_refuses_when_no_kernel_builds(
     monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
     info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match=r"no kernel moves these page chunks \(ours: nvcc not found; "
         r"SGLang's: SGLang's JIT HiCache kernels move no slice of runs of "
         r"\[1024, 32768\] B\); run without --enable-hierarchical-cache",
@@ -305,7 +307,7 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
     )
     info = pool.get_device_pool_infos()[0].buffer_info
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match="no scale buffers of a format this host pool serves",
     ):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
@@ -489,7 +491,7 @@ def test_refuses_fp4_without_token_scales(
     pool = _fp4_pool(name, backends=backends, **kw)
     info = pool.get_device_pool_infos()[0].buffer_info
     assert info.scales is None
-    with pytest.raises(MXFP8HiCacheConfigError, match=match):
+    with pytest.raises(BlockScaledHiCacheConfigError, match=match):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
 
 
@@ -523,7 +525,7 @@ def test_refuses_native_nvfp4_scales_wherever_a_stack_is_built(cpu_kernels):
     )
     assert pool.native_k_scale_buffer is not None
     assert pool.get_device_pool_infos()[0].buffer_info.scales is not None
-    with pytest.raises(MXFP8HiCacheConfigError, match="native trtllm_mha scales"):
+    with pytest.raises(BlockScaledHiCacheConfigError, match="native trtllm_mha scales"):
         assembler._mha_host_inputs(pool)
     # Without native scales the inputs are SGLang's, with our class.
     plain = _fp4_pool("nvfp4")
@@ -570,7 +572,9 @@ def test_refuses_nixl_direct_io(
         )
 
     if refused:
-        with pytest.raises(MXFP8HiCacheConfigError, match='"use_direct_io": false'):
+        with pytest.raises(
+            BlockScaledHiCacheConfigError, match='"use_direct_io": false'
+        ):
             build()
     else:
         with pytest.raises(AssertionError, match="allocated before refusing"):

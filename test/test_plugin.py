@@ -301,7 +301,9 @@ def test_flags_refused_when_sglang_resolves_them():
         if says is None:
             assert result is None, (name, result)
         else:
-            assert result.startswith("MXFP8HiCacheConfigError: mxfp8 HiCache"), name
+            assert result.startswith("BlockScaledHiCacheConfigError: mxfp8 HiCache"), (
+                name
+            )
             assert says in result, (name, result)
 
 
@@ -331,6 +333,17 @@ def test_launch_server_refuses_flags_before_the_model():
     [line] = [
         line
         for line in done.stderr.splitlines()
-        if line.startswith("sglang_mxfp8_hicache.errors.MXFP8HiCacheConfigError")
+        if line.startswith("sglang_mxfp8_hicache.errors.BlockScaledHiCacheConfigError")
     ]
     assert "set --page-size 128" in line
+
+
+def test_old_error_name_still_catches():
+    """Code written against the first name of the error still catches it."""
+    from sglang_mxfp8_hicache.errors import (
+        BlockScaledHiCacheConfigError,
+        MXFP8HiCacheConfigError,
+    )
+    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError as exported
+
+    assert MXFP8HiCacheConfigError is BlockScaledHiCacheConfigError is exported

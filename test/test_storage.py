@@ -31,8 +31,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 import dict_l3_backend
 from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.host_pool import (
+    BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
-    MXFP8HiCacheConfigError,
 )
 from sglang_mxfp8_hicache.page import STORAGE_FORMAT_VERSION, PagePart
 from sglang_mxfp8_hicache.tools.l3 import (
@@ -418,7 +418,7 @@ def test_round_trip_asymmetric_heads(device, make_pools, open_io):
     and the page comes back whole, both parts, under its own tag."""
     _, host = make_pools(heads=2, head_dim=128, v_head_dim=64, layers=3, pages=5)
     if open_io.backend_name == "hf3fs":  # slots of the K part's size
-        with pytest.raises(MXFP8HiCacheConfigError, match="head dims differ"):
+        with pytest.raises(BlockScaledHiCacheConfigError, match="head dims differ"):
             open_io(host)
         return
     assert host.storage_format_tag == "mxfp8v3-l3h2d128v64p128"
@@ -781,7 +781,9 @@ def test_dynamic_backend_error_is_a_miss(make_pools, open_io, backend, caplog):
 def test_sealed_backend_refuses_a_heads_major_page(make_pools, open_io, backend):
     """A page_head page has no seal to check these backends' reads by."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2, layout="page_head")
-    with pytest.raises(MXFP8HiCacheConfigError, match="heads-major page has none"):
+    with pytest.raises(
+        BlockScaledHiCacheConfigError, match="heads-major page has none"
+    ):
         open_io(host)
 
 
@@ -794,7 +796,7 @@ def test_nixl_refuses_direct_io(make_pools, storage_hooks, monkeypatch, setting)
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     extra_config = {"use_direct_io": True} if setting == "config" else {}
     monkeypatch.setenv("SGLANG_HICACHE_NIXL_USE_DIRECT_IO", "1")
-    with pytest.raises(MXFP8HiCacheConfigError) as refused:
+    with pytest.raises(BlockScaledHiCacheConfigError) as refused:
         StoragePageIO.open("nixl", host, extra_config=extra_config)
     assert '"use_direct_io": false' in str(refused.value)
     assert "SGLANG_HICACHE_NIXL_USE_DIRECT_IO=0" in str(refused.value)
@@ -880,7 +882,7 @@ def test_factory_refuses_backend_by_name(make_pools, storage_hooks, name):
     before the backend is built."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     with pytest.raises(
-        MXFP8HiCacheConfigError,
+        BlockScaledHiCacheConfigError,
         match=f"--hicache-storage-backend {name} cannot store mxfp8 pages",
     ):
         StoragePageIO.open(name, host)
@@ -893,7 +895,7 @@ def test_factory_leaves_other_pools_alone(bf16_host, storage_hooks, tmp_path):
     assert io.storage_backend.mem_pool_host is bf16_host
     with pytest.raises(Exception) as raised:  # SGLang's own: no EIC SDK here
         StoragePageIO.open("eic", bf16_host)
-    assert not isinstance(raised.value, MXFP8HiCacheConfigError)
+    assert not isinstance(raised.value, BlockScaledHiCacheConfigError)
 
 
 @on_cpu

@@ -16,8 +16,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import (
+    BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
-    MXFP8HiCacheConfigError,
     doubling_layer_groups,
     load_layer_groups,
 )
@@ -235,7 +235,7 @@ def test_round_trip_asymmetric(make_pools, heads, head_dim, v_head_dim, drafts):
 def test_asymmetric_fp4_refused(make_pools, kv_cache_dtype):
     """SGLang's FP4 pool keeps V at K's head dim: refused, saying so."""
     with pytest.raises(
-        MXFP8HiCacheConfigError, match="SGLang serves no asymmetric FP4"
+        BlockScaledHiCacheConfigError, match="SGLang serves no asymmetric FP4"
     ):
         make_pools(
             heads=2,
@@ -653,11 +653,11 @@ def test_other_io_backend_moves_nothing(make_pools, device):
     before = _snapshot(device_pool, host)
     tokens = page_token_indices(torch.tensor([1])).to(device)
     match = "--hicache-io-backend kernel or direct"
-    with pytest.raises(MXFP8HiCacheConfigError, match=match):
+    with pytest.raises(BlockScaledHiCacheConfigError, match=match):
         host.backup_from_device_all_layer(
             device_pool, tokens.cpu(), tokens, "kernel_ascend"
         )
-    with pytest.raises(MXFP8HiCacheConfigError, match=match):
+    with pytest.raises(BlockScaledHiCacheConfigError, match=match):
         host.load_to_device_per_layer(device_pool, tokens, tokens, 0, "kernel_ascend")
     assert all(
         torch.equal(a, b)

@@ -49,7 +49,10 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.platforms import current_platform
 
 from sglang_mxfp8_hicache import transfer
-from sglang_mxfp8_hicache.errors import MXFP8HiCacheConfigError
+from sglang_mxfp8_hicache.errors import (  # the first name, kept importable here
+    BlockScaledHiCacheConfigError,
+    MXFP8HiCacheConfigError,  # noqa: F401
+)
 from sglang_mxfp8_hicache.geometry import (
     FORMATS,
     ScaleFormat,
@@ -230,7 +233,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         try:
             self._mover_factory = self._choose_mover(self.host_page, pool_label)
         except transfer.TransferUnavailable as exc:
-            raise MXFP8HiCacheConfigError(
+            raise BlockScaledHiCacheConfigError(
                 f"{pool_label}: {fmt.name} HiCache: {exc}; run without "
                 "--enable-hierarchical-cache."
             ) from exc
@@ -299,8 +302,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         fmt = buffer_scale_format(buffer_info)
         name = fmt.name if fmt is not None else "block-scaled"
 
-        def refuse(reason: str) -> MXFP8HiCacheConfigError:
-            return MXFP8HiCacheConfigError(f"{pool_label}: {name} HiCache: {reason}")
+        def refuse(reason: str) -> BlockScaledHiCacheConfigError:
+            return BlockScaledHiCacheConfigError(
+                f"{pool_label}: {name} HiCache: {reason}"
+            )
 
         if fmt is None:
             if is_packed_fp4(buffer_info):
@@ -515,7 +520,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     @staticmethod
     def _require_io(io_backend: str) -> None:
         if io_backend not in SERVED_IO_BACKENDS:
-            raise MXFP8HiCacheConfigError(
+            raise BlockScaledHiCacheConfigError(
                 f"block-scaled HiCache moves pages with --hicache-io-backend "
                 f"{' or '.join(SERVED_IO_BACKENDS)}, got {io_backend!r}."
             )

@@ -127,9 +127,9 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
     """
     for device_pool in (pool, *drafts):
         if getattr(device_pool, "native_k_scale_buffer", None) is not None:
-            from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+            from sglang_mxfp8_hicache.host_pool import BlockScaledHiCacheConfigError
 
-            raise MXFP8HiCacheConfigError(
+            raise BlockScaledHiCacheConfigError(
                 "nvfp4 HiCache: the device pool keeps native trtllm_mha scales "
                 "(SM100) outside the buffers a host pool is given; no host pool "
                 "could restore them, and SGLang has no function that rebuilds "
@@ -177,7 +177,7 @@ def _log_unsupported(found: str | None) -> None:
     if found is not None and _release(found) < _release(FIRST_SGLANG_MXFP8_HOST):
         logger.error(
             "sglang-mxfp8-hicache supports sglang %s, found %s: not installing the "
-            "MXFP8 host pool hook. sglang %s has an MXFP8 KV pool but no MXFP8 HiCache "
+            "block-scaled host pool hook. sglang %s has an MXFP8 KV pool but no MXFP8 HiCache "
             "host pool: with --kv-cache-dtype mxfp8 --enable-hierarchical-cache its "
             "host pool backs up the fp8 payload without the scales, and pages come "
             "back with wrong scales, silently. Install sglang==%s, or run without "
@@ -190,7 +190,7 @@ def _log_unsupported(found: str | None) -> None:
         return
     logger.warning(
         "sglang-mxfp8-hicache supports sglang %s, found %s; not installing the "
-        "MXFP8 host pool hook (SGLang picks its own host pool).",
+        "block-scaled host pool hook (SGLang picks its own host pool).",
         supported,
         found,
     )
@@ -202,7 +202,7 @@ def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: A
     (``refusals.REFUSALS``) stop the launch now, with the pool's reason."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from sglang_mxfp8_hicache.errors import MXFP8HiCacheConfigError
+    from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
     from sglang_mxfp8_hicache.geometry import FORMATS
     from sglang_mxfp8_hicache.refusals import HiCacheFlags, refusal
 
@@ -210,7 +210,9 @@ def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: A
     if view.enable_hierarchical_cache and view.kv_cache_dtype in FORMATS:
         reason = refusal(HiCacheFlags.from_server_args(view))
         if reason is not None:
-            raise MXFP8HiCacheConfigError(f"{view.kv_cache_dtype} HiCache: {reason}")
+            raise BlockScaledHiCacheConfigError(
+                f"{view.kv_cache_dtype} HiCache: {reason}"
+            )
     return result
 
 

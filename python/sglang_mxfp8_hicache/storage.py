@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sglang_mxfp8_hicache import seal
-from sglang_mxfp8_hicache.errors import MXFP8HiCacheConfigError
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.page import HostPage
 
 if TYPE_CHECKING:
@@ -195,7 +195,9 @@ def guard_storage_backend(
         and nixl_direct_io(storage_config.extra_config),
     )
     if reason is not None:
-        raise MXFP8HiCacheConfigError(f"{pool.pool_label}: {name} HiCache: {reason}")
+        raise BlockScaledHiCacheConfigError(
+            f"{pool.pool_label}: {name} HiCache: {reason}"
+        )
     backend = original(factory, backend_name, storage_config, pool, **kwargs)
     inner = getattr(backend, "_backend", backend)
     if getattr(inner, GUARDED, False):  # the hook ran twice around one build
@@ -226,7 +228,7 @@ def _guard_reads(backend: Any, backend_name: str) -> None:
     if backend_name == "mooncake" and not hasattr(
         inner.store, "batch_get_replica_desc"
     ):
-        raise MXFP8HiCacheConfigError(
+        raise BlockScaledHiCacheConfigError(
             "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
             f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
         )

@@ -154,14 +154,9 @@ class PageChunkKernel:
     """Ours: one FFI call and one launch per transfer."""
 
     name = "sglang-mxfp8-hicache page_chunks"
+    max_blocks = MAX_BLOCKS
 
-    def __init__(
-        self,
-        tables: PageChunkTables,
-        *,
-        max_blocks: int = MAX_BLOCKS,
-        check_gpu_indices: bool = True,
-    ) -> None:
+    def __init__(self, tables: PageChunkTables) -> None:
         self._tables = tables
         addresses = [base for layer in tables.bases for base in layer]
         fields = [field for part in tables.parts for field in part.fields()]
@@ -170,11 +165,9 @@ class PageChunkKernel:
         )
         self._all = torch.tensor(tables.bases, dtype=torch.uint64, device=tables.device)
         self._parts = torch.tensor(fields, dtype=torch.int64).view(len(PARTS), -1)
-        self._max_blocks = max_blocks
         # Pinned, so the kernel can write it and the CPU read it without a copy.
-        words = 2 if check_gpu_indices else 0
         pinned = torch.cuda.is_available()
-        self._refused = torch.zeros(words, dtype=torch.int64, pin_memory=pinned)
+        self._refused = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
         self._refused_words = self._refused.numpy()
 
     def prepare(self, layers: range) -> torch.Tensor:
@@ -192,11 +185,11 @@ class PageChunkKernel:
             tables.host_stride,
             tables.page_size,
             to_host,
-            self._max_blocks,
+            self.max_blocks,
         )
 
     def raise_if_refused(self) -> None:
-        side, first_token = self._refused_words.tolist() or (0, 0)
+        side, first_token = self._refused_words.tolist()
         if not side:
             return
         self._refused.zero_()

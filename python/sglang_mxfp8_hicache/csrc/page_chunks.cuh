@@ -118,9 +118,6 @@ SGL_DEVICE int64_t gpu_page(const void* indices, uint32_t page, uint32_t probe, 
 }
 
 SGL_DEVICE void refuse_page(const ChunkShape& shape, int64_t side, int64_t first_token) {
-  if (shape.refused == nullptr) {
-    return;
-  }
   volatile int64_t* refused = shape.refused;
   refused[1] = first_token;
   refused[0] = side;
@@ -355,12 +352,12 @@ struct PageChunkKernel {
     TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(device_indices);
     TensorMatcher({R}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(refused);
     TensorMatcher({kParts, kPartFields}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(parts);
-    RuntimeCheck(R.unwrap() == 2 || R.unwrap() == 0, what, ": `refused` holds two words (none: no reports)");
+    RuntimeCheck(R.unwrap() == 2, what, ": `refused` holds two words");
     RuntimeCheck(page_size > 0 && max_blocks > 0 && heads > 0, what, ": page_size, heads and max_blocks must be positive");
     RuntimeCheck(N.unwrap() % page_size == 0, what, ": ", N.unwrap(), " token indices are not whole pages of ", page_size);
     ChunkShape shape{
         .tables = static_cast<const uint64_t*>(tables.data_ptr()),
-        .refused = refused.numel() == 0 ? nullptr : static_cast<int64_t*>(refused.data_ptr()),
+        .refused = static_cast<int64_t*>(refused.data_ptr()),
         .host_stride = host_stride,
         .heads = static_cast<uint32_t>(heads),
         .num_layers = static_cast<uint32_t>(L.unwrap()),

@@ -7,8 +7,6 @@ what each choice is worth.
 
 from __future__ import annotations
 
-import functools
-
 from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
@@ -23,18 +21,15 @@ class FallbackKernelHost(MHATokenToKVPoolMXFP8Host):
         return transfer.SGLangChunkKernels
 
 
-class UncheckedIndicesHost(MHATokenToKVPoolMXFP8Host):
-    """Our kernel without its checks of GPU-resident token indices."""
-
-    def _choose_mover(self, page, pool_label):
-        return functools.partial(transfer.PageChunkKernel, check_gpu_indices=False)
+class TwoBlocksKernel(transfer.PageChunkKernel):
+    max_blocks = 2
 
 
 class TwoBlocksHost(MHATokenToKVPoolMXFP8Host):
     """Our kernel on two thread blocks, SGLang's quota for its HiCache kernels."""
 
     def _choose_mover(self, page, pool_label):
-        return functools.partial(transfer.PageChunkKernel, max_blocks=2)
+        return TwoBlocksKernel
 
 
 class LoadAtLayerZeroHost(MHATokenToKVPoolMXFP8Host):
@@ -60,7 +55,6 @@ class LoadDoublingHost(MHATokenToKVPoolMXFP8Host):
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
     "fallback": FallbackKernelHost,
-    "unchecked": UncheckedIndicesHost,
     "blocks2": TwoBlocksHost,
     "load_at_layer0": LoadAtLayerZeroHost,
     "load_each_layer": LoadEachLayerHost,

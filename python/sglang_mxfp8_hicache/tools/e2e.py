@@ -785,7 +785,7 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError
+    from sglang_mxfp8_hicache.host_pool import BlockScaledHiCacheConfigError
 
     model = "e2e-model"
     local = _l3_backend(backend)
@@ -793,7 +793,7 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
     try:
         controller.attach_storage_backend(REFUSED_ATTACH, model_name=model)
         refused = f"{REFUSED_ATTACH} was attached"
-    except MXFP8HiCacheConfigError as exc:
+    except BlockScaledHiCacheConfigError as exc:
         refused = str(exc)
     refusal_clean = not controller.enable_storage
     with local.environment():  # the backend reads it when it is built
