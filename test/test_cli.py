@@ -16,12 +16,16 @@ from sglang_mxfp8_hicache.tools import cli
 from sglang_mxfp8_hicache.tools.cli import main
 
 LLAMA_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
     "num_key_value_heads": 8,
     "hidden_size": 4096,
 }
 DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
     "num_hidden_layers": 61,
     "num_attention_heads": 128,
     "num_key_value_heads": 128,
@@ -65,11 +69,17 @@ def test_size_table(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "1 KV heads x 128 (TP 8)" in out
+    assert "TP 8, --kv-cache-dtype mxfp8, page_size 128, --hicache-size 100 GB" in out
     # 100e9 // 21122 = 4734400 -> 36987 pages + 1 padding (21122 B per token:
     # payload, scales, 2 B of page seals); payload only: // 20480.
-    assert "21122" in out and str(36988 * 128) in out
-    assert "20480" in out and str((100_000_000_000 // 20480 // 128 + 1) * 128) in out
+    [row] = [line.split() for line in out.splitlines() if line.startswith("kv ")]
+    assert row[:5] == ["kv", "80", "1", "x", "128"]
+    assert row[6:8] == ["21122", "(20480+640+2)"]
+    assert row[8] == str(36988 * 128)
+    assert row[10] == str((100_000_000_000 // 20480 // 128 + 1) * 128)
+    host = 36988 * 128 * 21122
+    assert f"host tier per rank: {host / 1e9:.3f} GB ({host / 2**30:.3f} GiB)" in out
+    assert f"per node (8 ranks, --gpus-per-node 8): {8 * host / 1e9:.3f} GB" in out
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp4_mx_block16", "nvfp4"])
@@ -78,15 +88,15 @@ def test_size_fp4(capsys, kv_cache_dtype):
     byte per element, scales 4,096 at one byte per 16), the device cell."""
     argv = size("--kv-cache-dtype", kv_cache_dtype, "--page-size", "64")
     assert main(argv) == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["payload_bytes_per_token"] == 32768
-    assert plan["scale_bytes_per_token"] == 4096
-    assert plan["host_tokens"] == (2000 // 64 + 1) * 64
+    [pool] = json.loads(capsys.readouterr().out)["pools"]
+    assert pool["payload_bytes_per_token"] == 32768
+    assert pool["scale_bytes_per_token"] == 4096
+    assert pool["host_tokens"] == (2000 // 64 + 1) * 64
     table = argv[:1] + argv[2:]  # the same without --json
     assert main(table) == 0
     out = capsys.readouterr().out
     assert f"--kv-cache-dtype {kv_cache_dtype}, page_size 64" in out
-    assert f"{kv_cache_dtype} with scales" in out and "36866" in out  # + seals
+    assert "36866 (32768+4096+2)" in out  # + seals
 
 
 def test_size_from_hf_config(tmp_path, capsys):
@@ -94,32 +104,21 @@ def test_size_from_hf_config(tmp_path, capsys):
     config.write_text(
         json.dumps(
             {
+                **LLAMA_8B,
                 "num_hidden_layers": 64,
                 "num_attention_heads": 64,
-                "num_key_value_heads": 8,
                 "hidden_size": 5120,
                 "head_dim": 128,
             }
         )
     )
-    assert (
-        main(
-            [
-                "size",
-                "--config",
-                str(config),
-                "--device-tokens",
-                "1000",
-                "--hicache-ratio",
-                "2",
-                "--json",
-            ]
-        )
-        == 0
-    )
+    argv = ["size", "--config", str(config), "--device-tokens", "1000", "--json"]
+    assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["bytes_per_token"] == 131072 + 4096 + 2  # + page seals
-    assert plan["host_tokens"] == (2000 // 128 + 1) * 128
+    [pool] = plan["pools"]
+    assert pool["bytes_per_token"] == 131072 + 4096 + 2  # + page seals
+    assert pool["host_tokens"] == (2000 // 128 + 1) * 128
+    assert plan["source"] == "LlamaForCausalLM"
 
 
 def config_text(text: str | None) -> Callable[[Path], str]:
@@ -170,7 +169,7 @@ BAD_INPUTS = [
         "--config",
         "missing.json",
     ),
-    bad("config_is_directory", size(config=config_text(None)), "is a directory"),
+    bad("config_is_directory", size(config=config_text(None)), "Is a directory"),
     bad(
         "malformed_json",
         size(config=config_text('{"num_hidden_layers": 32,')),
@@ -181,49 +180,32 @@ BAD_INPUTS = [
     bad(
         "text_config_list",
         size(config=config_text('{"text_config": [1]}')),
-        "text_config",
+        "ModelConfig cannot read it",
+        "model_type",
     ),
     # --config: its keys
-    bad(
-        "no_num_attention_heads",
-        size(config=config(num_attention_heads=None)),
-        "num_attention_heads",
-    ),
-    bad(
-        "no_head_dim_nor_hidden_size",
-        size(config=config(hidden_size=None)),
-        "head_dim",
-        "hidden_size",
-    ),
+    # --config: its keys, as SGLang's ModelConfig (and transformers) read them
     bad(
         "zero_attention_heads",
         size(config=config(num_attention_heads=0)),
-        "num_attention_heads",
-        "0",
+        "ModelConfig cannot read it",
+        "ZeroDivisionError",
     ),
-    bad("head_dim_125", size(config=config(head_dim=125)), "head_dim", "125", "32"),
-    bad(
-        "derived_head_dim_125",
-        size(config=config(hidden_size=4000)),
-        "hidden_size 4000",
-        "125",
-    ),
+    bad("head_dim_80", size(config=config(head_dim=80)), "head_dim", "80", "32"),
+    bad("derived_head_dim_80", size(config=config(hidden_size=2560)), "80", "32"),
     bad(
         "layers_string",
         size(config=config(num_hidden_layers="32")),
         "num_hidden_layers",
-        "'32'",
     ),
     bad(
         "kv_heads_boolean",
         size(config=config(num_key_value_heads=True)),
         "num_key_value_heads",
-        "True",
     ),
     bad(
         "mla_config",
         size(config=config_text(json.dumps(DEEPSEEK_V3))),
-        "kv_lora_rank",
         "MLA",
         "MHA",
     ),
@@ -455,10 +437,19 @@ def test_bad_input_is_one_line(argv, expected, tmp_path, capsys, monkeypatch):
 
 def test_size_reads_text_config(tmp_path, capsys):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "llava", "text_config": LLAMA_8B}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llava",
+                "architectures": ["LlavaForConditionalGeneration"],
+                "text_config": LLAMA_8B,
+            }
+        )
+    )
     code, out, _ = run_cli(size(config=str(path)), capsys)
     assert code == 0
-    assert json.loads(out)["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) + 2
+    [pool] = json.loads(out)["pools"]
+    assert pool["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) + 2
 
 
 def test_version(capsys):

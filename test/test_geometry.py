@@ -2,7 +2,13 @@ import pytest
 
 from sglang_mxfp8_hicache.geometry import FP4_MX_BLOCK16, NVFP4, ScaleGeometry
 from sglang_mxfp8_hicache.page import HostPage
-from sglang_mxfp8_hicache.sizing import ModelGeometry, SizingError, host_plan
+from sglang_mxfp8_hicache.sizing import SizingError, dense_model, host_plan
+
+
+def pool_plan(model: dict, tp_size: int = 1, **kwargs):
+    """The one pool of a dense model's plan."""
+    [pool] = host_plan(dense_model(**model, tp_size=tp_size), **kwargs).pools
+    return pool
 
 
 @pytest.mark.parametrize(
@@ -81,15 +87,15 @@ def test_geometry_refuses(kwargs, match):
 # Hand-computed: payload 2 * heads * head_dim * layers, scales 2 * heads * head_dim / 32 * layers.
 MODELS = {
     "llama-3.1-8b": (
-        ModelGeometry(layers=32, kv_heads=8, head_dim=128),
+        dict(layers=32, kv_heads=8, head_dim=128),
         1,
         65536,
         2048,
     ),
-    "qwen3-32b": (ModelGeometry(layers=64, kv_heads=8, head_dim=128), 1, 131072, 4096),
+    "qwen3-32b": (dict(layers=64, kv_heads=8, head_dim=128), 1, 131072, 4096),
     # 8 KV heads over TP 8: one head per rank.
     "llama-3.1-70b-tp8": (
-        ModelGeometry(layers=80, kv_heads=8, head_dim=128),
+        dict(layers=80, kv_heads=8, head_dim=128),
         8,
         20480,
         640,
@@ -100,7 +106,7 @@ MODELS = {
 @pytest.mark.parametrize("name", MODELS)
 def test_bytes_per_token(name):
     model, tp, payload, scales = MODELS[name]
-    plan = host_plan(model, tp_size=tp, device_tokens=100_000, hicache_ratio=2.0)
+    plan = pool_plan(model, tp, device_tokens=100_000, hicache_ratio=2.0)
     assert plan.payload_bytes_per_token == payload
     assert plan.scale_bytes_per_token == scales
     assert plan.seal_bytes_per_token == 2  # a 128 B seal per part, page 128
@@ -109,24 +115,24 @@ def test_bytes_per_token(name):
 
 def test_host_tokens_from_size_and_ratio():
     model = MODELS["llama-3.1-8b"][0]
-    # --hicache-size 0.5: int(0.5e9 // 67586) = 7397 tokens -> 57 pages + 1 padding
+    # --hicache-size 1: int(1e9 // 67586) = 14796 tokens -> 115 pages + 1 padding
     # (67586 B per token: payload, scales and 2 B of page seals).
-    plan = host_plan(model, tp_size=1, device_tokens=100_000, hicache_size_gb=0.5)
-    assert plan.host_tokens == 58 * 128
-    assert plan.host_bytes == 58 * 128 * 67586
-    # Payload-only sizing would have given int(0.5e9 // 65536) = 7629 -> 59 + 1 pages.
-    assert plan.host_tokens_without_scales == 60 * 128
+    plan = pool_plan(model, 1, device_tokens=100_000, hicache_size_gb=1)
+    assert plan.host_tokens == 116 * 128
+    assert plan.host_bytes == 116 * 128 * 67586
+    # Payload-only sizing would have given int(1e9 // 65536) = 15258 -> 119 + 1 pages.
+    assert plan.host_tokens_without_scales == 120 * 128
     # --hicache-ratio 2 over 1000 device tokens: 2000 -> 15 pages + 1 padding.
-    plan = host_plan(model, tp_size=1, device_tokens=1000, hicache_ratio=2.0)
+    plan = pool_plan(model, 1, device_tokens=1000, hicache_ratio=2.0)
     assert plan.host_tokens == 16 * 128
     assert plan.host_bytes == 16 * 128 * 67586
 
 
 def test_tp_must_divide_or_replicate_heads():
     with pytest.raises(ValueError, match="--tp-size"):
-        host_plan(
-            ModelGeometry(layers=2, kv_heads=8, head_dim=128),
-            tp_size=3,
+        pool_plan(
+            dict(layers=2, kv_heads=8, head_dim=128),
+            3,
             device_tokens=1,
             hicache_ratio=1.0,
         )
@@ -153,21 +159,21 @@ def test_fp4_host_plan_matches_the_device_cell(fmt):
     """32 layers of 8x128: SGLang's device cell is 36,864 B per token (payload
     32,768 + scales 4,096; scaled-kv-formats 3.1), where its host formula,
     from MHABufferInfo's uint8 with the logical head_dim, says 65,536."""
-    model = ModelGeometry(layers=32, kv_heads=8, head_dim=128)
-    plan = host_plan(model, tp_size=1, device_tokens=1000, fmt=fmt, page_size=64)
+    model = dict(layers=32, kv_heads=8, head_dim=128)
+    plan = pool_plan(model, 1, device_tokens=1000, fmt=fmt, page_size=64)
     assert plan.payload_bytes_per_token == 32768
     assert plan.scale_bytes_per_token == 4096
     assert plan.host_tokens == (2000 // 64 + 1) * 64
 
 
 def test_host_plan_refuses_what_the_format_cannot_serve():
-    model = ModelGeometry(layers=2, kv_heads=8, head_dim=128)
+    model = dict(layers=2, kv_heads=8, head_dim=128)
     with pytest.raises(SizingError, match="mxfp8 HiCache needs --page-size 128"):
-        host_plan(model, tp_size=1, device_tokens=1, page_size=64)
+        pool_plan(model, 1, device_tokens=1, page_size=64)
     with pytest.raises(SizingError, match="multiple of 32"):
-        host_plan(
-            ModelGeometry(layers=2, kv_heads=8, head_dim=80),
-            tp_size=1,
+        pool_plan(
+            dict(layers=2, kv_heads=8, head_dim=80),
+            1,
             device_tokens=1,
         )
 
@@ -176,8 +182,8 @@ def test_host_plan_refuses_what_the_format_cannot_serve():
 def test_host_plan_serves_narrow_fp4_rows(fmt):
     """8 KV heads over TP 8 in FP4: a 64 B payload row per token, which the
     host pool serves (page chunks are whole pages of rows)."""
-    model = ModelGeometry(layers=2, kv_heads=8, head_dim=128)
-    plan = host_plan(model, tp_size=8, device_tokens=1, fmt=fmt)
-    assert plan.kv_heads_per_rank == 1
+    model = dict(layers=2, kv_heads=8, head_dim=128)
+    plan = pool_plan(model, 8, device_tokens=1, fmt=fmt)
+    assert plan.kv_heads == 1
     assert plan.payload_bytes_per_token == 2 * 2 * 64
-    assert host_plan(model, tp_size=8, device_tokens=1).payload_bytes_per_token == 512
+    assert pool_plan(model, 8, device_tokens=1).payload_bytes_per_token == 512

@@ -17,7 +17,7 @@ from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
 )
-from sglang_mxfp8_hicache.sizing import ModelGeometry, host_plan
+from sglang_mxfp8_hicache.sizing import dense_model, host_plan
 from sglang_mxfp8_hicache.tools.selfcheck import (
     build_device_pool,
     build_host_pool,
@@ -46,19 +46,19 @@ def test_sizing_counts_scales(make_pools):
 @pytest.mark.parametrize(
     "model, tp",
     [
-        (ModelGeometry(layers=32, kv_heads=8, head_dim=128), 1),
-        (ModelGeometry(layers=64, kv_heads=8, head_dim=128), 1),
-        (ModelGeometry(layers=80, kv_heads=8, head_dim=128), 8),
+        (dict(layers=32, kv_heads=8, head_dim=128), 1),
+        (dict(layers=64, kv_heads=8, head_dim=128), 1),
+        (dict(layers=80, kv_heads=8, head_dim=128), 8),
     ],
 )
-@pytest.mark.parametrize("hicache_size_gb, ratio", [(0.05, 0.0), (0.0, 3.0)])
+@pytest.mark.parametrize("hicache_size_gb, ratio", [(1, 0.0), (0, 3.0)])
 def test_host_tokens_match_sizing(cpu_kernels, model, tp, hicache_size_gb, ratio):
     """`size` (the CLI) computes what the real host pool allocates."""
-    heads = model.kv_heads_per_rank(tp)
+    [pool] = dense_model(**model, tp_size=tp).pools
     device_pool = build_device_pool(
-        head_num=heads,
-        head_dim=model.head_dim,
-        layer_num=model.layers,
+        head_num=pool.kv_heads,
+        head_dim=pool.head_dim,
+        layer_num=pool.layers,
         pages=2,
         device="cpu",
     )
@@ -72,15 +72,14 @@ def test_host_tokens_match_sizing(cpu_kernels, model, tp, hicache_size_gb, ratio
         pin_memory=False,
         device_capacity_tokens=device_pool.size,
         start_layer=0,
-        end_layer=model.layers - 1,
+        end_layer=pool.layers - 1,
     )
-    plan = host_plan(
-        model,
-        tp_size=tp,
+    [plan] = host_plan(
+        dense_model(**model, tp_size=tp),
         device_tokens=device_pool.size,
         hicache_ratio=ratio,
         hicache_size_gb=hicache_size_gb,
-    )
+    ).pools
     assert host.size_per_token == plan.bytes_per_token
     assert host.size == plan.host_tokens
     assert host.size * host.size_per_token == plan.host_bytes
@@ -450,13 +449,12 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
         )
         assert host.size_per_token == 36864 + seals  # 32 layers of 8x128
         assert 2 * info.head_num * info.head_dim * len(tensors) // 4 == 65536
-        plan = host_plan(
-            ModelGeometry(layers=32, kv_heads=8, head_dim=128),
-            tp_size=1,
+        [plan] = host_plan(
+            dense_model(layers=32, kv_heads=8, head_dim=128, tp_size=1),
             device_tokens=device_pool.size,
             fmt=host.host_page.fmt,
             page_size=page_size,
-        )
+        ).pools
         assert host.size_per_token == plan.bytes_per_token
         assert host.size == plan.host_tokens
         # The packed payload of one head is 64 B of a page's K run per token.

@@ -1,16 +1,33 @@
-"""Host-tier sizing per rank, with and without the scale bytes of a block-scaled format.
+"""Host-tier sizing per rank and per node, with and without the scale bytes of
+a block-scaled format, as SGLang 0.5.23 sizes its host pools.
 
-Follows ``HostKVCache.__init__`` in SGLang 0.5.23: ``--hicache-size`` (decimal GB)
-divided by the bytes per token, else the device token count times
-``--hicache-ratio``; rounded down to whole pages plus one padding page. The CPU
-tests check these figures against the real host pool's ``size``.
+A model is read through SGLang's own ``ModelConfig`` (the code a server runs),
+so it gets the KV pools SGLang builds for it:
+
+- a dense model: one pool (``kv``) of every layer;
+- a hybrid SWA model (gpt-oss, ...): the full-attention layers in the ``full``
+  pool, the sliding-window layers in the ``swa`` pool, whose device tokens are
+  ``--swa-full-tokens-ratio`` of the full pool's, page-aligned
+  (``HybridSWAPoolConfigurator``);
+- a Mamba hybrid (Qwen3-Next, ...): only the full-attention layers in the KV
+  pool, and the Mamba state per request slot beside it (SGLang's own
+  ``MambaPoolHost`` holds it on the host);
+- MLA: refused, with the reason.
+
+Each pool's host tier is ``HostKVCache.__init__``'s: ``--hicache-size``
+(decimal GB per rank; several pools share it in proportion to their device
+bytes, as ``hybrid_pool_assembler._split_hicache_size`` does) over the bytes
+per token, else the pool's device tokens times ``--hicache-ratio``; whole pages
+plus one padding page. The tests check the figures against pools SGLang builds.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import warnings
 from pathlib import Path
+
+import msgspec
 
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat, ScaleGeometry
 from sglang_mxfp8_hicache.page import seal_bytes
@@ -21,22 +38,21 @@ SMALLEST_SCALE_BLOCK = min(f.sf_block for f in FORMATS.values())
 SCALED_HEAD_DIMS = "a multiple of the scale block: " + ", ".join(
     f"{f.sf_block} for {f.name}" for f in FORMATS.values()
 )
-MLA_CONFIG_KEYS = ("kv_lora_rank", "qk_rope_head_dim")
-"""Keys of a latent-attention config (DeepSeek-V2/V3, Kimi K2): SGLang gives such
-models an MLA KV pool, which MXFP8 HiCache does not serve."""
+SWA_FULL_TOKENS_RATIO = 0.8
+"""SGLang's ``--swa-full-tokens-ratio`` when it is not given."""
 
 
 class SizingError(ValueError):
-    """A model or TP size that cannot be sized: an unreadable or non-MHA config.json,
-    or a count SGLang's MXFP8 KV pool would refuse.
+    """A model or count that cannot be sized: an unreadable or MLA config, or a
+    value SGLang's block-scaled KV pool would refuse.
 
-    The CLI prints it as a one-line usage error, so every message names the value,
-    where it came from and what is allowed.
+    The CLI prints it as a one-line usage error, so every message names the
+    value, where it came from and what is allowed.
     """
 
 
 def _positive_int(value: object, name: str) -> int:
-    # bool is an int subclass, but `true` in a config.json is no count.
+    # bool is an int subclass, but `true` is no count.
     if isinstance(value, bool) or not isinstance(value, int):
         raise SizingError(
             f"{name} must be a positive integer, got {value!r} ({type(value).__name__})"
@@ -46,125 +62,190 @@ def _positive_int(value: object, name: str) -> int:
     return value
 
 
-def _scaled_head_dim(value: object, name: str) -> int:
-    """A head_dim some block-scaled format can hold: whole scale blocks of the
-    smallest block; the format's own block is checked by :func:`host_plan`."""
-    head_dim = _positive_int(value, name)
-    if head_dim % SMALLEST_SCALE_BLOCK:
-        raise SizingError(f"{name} must be {SCALED_HEAD_DIMS}, got {head_dim}")
-    return head_dim
+class KVPool(msgspec.Struct, frozen=True):
+    """One KV pool SGLang builds for the model on one rank."""
+
+    name: str
+    """SGLang's pool label: ``kv``, ``full`` or ``swa``."""
+    layers: int
+    kv_heads: int
+    """Per rank: split over TP ranks, or replicated when TP is larger."""
+    head_dim: int
+    v_head_dim: int
+    token_ratio: float = 1.0
+    """Device tokens per token of the full (or only) pool."""
 
 
-def _config_count(config: dict, key: str) -> int:
-    if config.get(key) is None:
-        raise SizingError(f"{key} is missing")
-    return _positive_int(config[key], key)
+class ModelKV(msgspec.Struct, frozen=True):
+    """The KV pools of a model on one rank, and its Mamba state per request."""
+
+    pools: tuple[KVPool, ...]
+    mamba_state_bytes: int = 0
+    source: str = "flags"
 
 
-@dataclass(frozen=True)
-class ModelGeometry:
+def kv_heads_per_rank(kv_heads: int, tp_size: int) -> int:
+    """SGLang splits KV heads over TP ranks, or replicates them when TP is larger."""
+    _positive_int(kv_heads, "kv_heads")
+    _positive_int(tp_size, "--tp-size")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise SizingError(
+            f"--tp-size {tp_size} must divide the {kv_heads} KV heads or be a "
+            f"multiple of {kv_heads}"
+        )
+    return max(1, kv_heads // tp_size)
+
+
+def dense_model(*, layers: int, kv_heads: int, head_dim: int, tp_size: int) -> ModelKV:
+    """A dense MHA model given by its counts (``size --layers ...``)."""
+    _positive_int(layers, "--layers")
+    _positive_int(head_dim, "--head-dim")
+    heads = kv_heads_per_rank(kv_heads, tp_size)
+    return ModelKV((KVPool("kv", layers, heads, head_dim, head_dim),))
+
+
+def read_model(
+    path: str | Path,
+    *,
+    tp_size: int,
+    swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO,
+) -> ModelKV:
+    """The KV pools SGLang builds for the model at ``path`` (a model directory
+    or its ``config.json``), read through SGLang's ``ModelConfig``."""
+    path = Path(path)
+    model_dir = path.parent if path.name == "config.json" else path
+    config_file = model_dir / "config.json"
+    try:
+        config = json.loads(config_file.read_bytes())
+    except OSError as exc:
+        raise SizingError(f"{config_file}: cannot read it ({exc.strerror})") from None
+    except ValueError as exc:
+        raise SizingError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise SizingError(
+            f"{config_file}: expected a JSON object, got a {type(config).__name__}"
+        )
+    try:
+        return _read_model_config(model_dir, tp_size, swa_full_tokens_ratio)
+    except SizingError as exc:
+        raise SizingError(f"{config_file}: {exc}") from None
+    except Exception as exc:  # SGLang's and transformers' own complaints
+        said = " ".join(str(exc).split())
+        raise SizingError(
+            f"{config_file}: SGLang's ModelConfig cannot read it "
+            f"({type(exc).__name__}: {said[:300]})"
+        ) from None
+
+
+def _read_model_config(
+    model_dir: Path, tp_size: int, swa_full_tokens_ratio: float
+) -> ModelKV:
+    with warnings.catch_warnings():
+        # SGLang's quantization registry warns, on import, about GPUs it lacks.
+        warnings.simplefilter("ignore", UserWarning)
+        from sglang.srt.configs.model_config import AttentionArch
+
+    with _sglang_context(tp_size):
+        from sglang.srt.configs.hybrid_arch import mambaish_config
+        from sglang.srt.configs.model_config import ModelConfig
+
+        model = ModelConfig(model_path=str(model_dir))
+        if model.attention_arch == AttentionArch.MLA:
+            raise SizingError(
+                "an MLA model (latent KV, as DeepSeek-V3): SGLang gives it an MLA "
+                "KV pool, and block-scaled HiCache serves MHA pools only"
+            )
+        kv_heads_per_rank(model.get_num_kv_heads(1), tp_size)
+        heads = model.get_num_kv_heads(tp_size)
+        arch = (model.hf_config.architectures or ["?"])[0]
+        if model.is_hybrid_swa:
+            pools = (
+                KVPool(
+                    "full",
+                    len(model.full_attention_layer_ids),
+                    heads,
+                    model.head_dim,
+                    model.v_head_dim,
+                ),
+                KVPool(
+                    "swa",
+                    len(model.swa_attention_layer_ids),
+                    model.get_swa_num_kv_heads(tp_size),
+                    model.swa_head_dim,
+                    model.swa_v_head_dim,
+                    token_ratio=swa_full_tokens_ratio,
+                ),
+            )
+            return ModelKV(pools, source=f"{arch} (hybrid SWA)")
+        mamba = mambaish_config(model)
+        if mamba is not None:
+            layers = len(mamba.full_attention_layer_ids)
+            state = mamba.mamba2_cache_params.mamba_cache_per_req
+            pool = KVPool("kv", layers, heads, model.head_dim, model.v_head_dim)
+            return ModelKV((pool,), mamba_state_bytes=state, source=f"{arch} (Mamba)")
+        layers = model.num_attention_layers
+        pool = KVPool("kv", layers, heads, model.head_dim, model.v_head_dim)
+        return ModelKV((pool,), source=arch)
+
+
+class _sglang_context:
+    """SGLang's runtime context for ``tp_size`` ranks while a config is read:
+    some configs (Qwen3-Next's Mamba state) ask it for the TP size."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+
+    def __enter__(self) -> None:
+        from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+        from sglang.srt.server_args import ServerArgs
+
+        reset_context()
+        args = ServerArgs(model_path="dummy", tp_size=self.tp_size)
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+
+    def __exit__(self, *exc: object) -> None:
+        from sglang.srt.runtime_context import reset_context
+
+        reset_context()
+
+
+class PoolPlan(msgspec.Struct, frozen=True):
+    """One KV pool's host tier on one rank."""
+
+    name: str
     layers: int
     kv_heads: int
     head_dim: int
-
-    def __post_init__(self) -> None:
-        _positive_int(self.layers, "layers")
-        _positive_int(self.kv_heads, "kv_heads")
-        _scaled_head_dim(self.head_dim, "head_dim")
-
-    @classmethod
-    def from_hf_config(cls, path: str | Path) -> ModelGeometry:
-        """Read a Hugging Face ``config.json`` (or its ``text_config``).
-
-        Raises :class:`SizingError` naming the path and the key: the file is read
-        from the user's command line, where a wrong file or an MLA model is a
-        usage error, not a crash.
-        """
-        path = Path(path)
-        if path.is_dir():
-            raise SizingError(f"{path} is a directory, expected the config.json in it")
-        try:
-            config = json.loads(path.read_bytes())
-        except OSError as exc:
-            raise SizingError(f"{path}: cannot read it ({exc.strerror})") from None
-        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            raise SizingError(f"{path}: not valid JSON ({exc})") from None
-        try:
-            return cls._from_config_dict(config)
-        except SizingError as exc:
-            raise SizingError(f"{path}: {exc}") from None
-
-    @classmethod
-    def _from_config_dict(cls, config: object) -> ModelGeometry:
-        if not isinstance(config, dict):
-            raise SizingError(f"expected a JSON object, got a {type(config).__name__}")
-        if config.get("text_config") is not None:
-            config = config["text_config"]
-            if not isinstance(config, dict):
-                raise SizingError(f"text_config must be a JSON object, got {config!r}")
-        for key in MLA_CONFIG_KEYS:
-            if config.get(key) is not None:
-                raise SizingError(
-                    f"{key} {config[key]!r} marks an MLA model (latent KV, as "
-                    "DeepSeek-V3); block-scaled HiCache serves MHA KV pools only"
-                )
-        layers = _config_count(config, "num_hidden_layers")
-        heads = _config_count(config, "num_attention_heads")
-        kv_heads = heads
-        if config.get("num_key_value_heads") is not None:
-            kv_heads = _config_count(config, "num_key_value_heads")
-        if config.get("head_dim") is not None:
-            head_dim = _scaled_head_dim(config["head_dim"], "head_dim")
-        elif config.get("hidden_size") is not None:
-            hidden = _config_count(config, "hidden_size")
-            head_dim = _scaled_head_dim(
-                hidden // heads,
-                f"head_dim (hidden_size {hidden} // num_attention_heads {heads})",
-            )
-        else:
-            raise SizingError(
-                "neither head_dim nor hidden_size (to derive head_dim) is given"
-            )
-        return cls(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
-
-    def kv_heads_per_rank(self, tp_size: int) -> int:
-        """SGLang splits KV heads over TP ranks, or replicates them when TP is larger."""
-        _positive_int(tp_size, "--tp-size")
-        if self.kv_heads % tp_size and tp_size % self.kv_heads:
-            raise SizingError(
-                f"--tp-size {tp_size} must divide the {self.kv_heads} KV heads "
-                f"or be a multiple of {self.kv_heads}"
-            )
-        return max(1, self.kv_heads // tp_size)
-
-
-@dataclass(frozen=True)
-class HostPlan:
-    kv_heads_per_rank: int
+    v_head_dim: int
+    device_tokens: int
     payload_bytes_per_token: int
     scale_bytes_per_token: int
     seal_bytes_per_token: int
+    bytes_per_token: int
+    """The host pool's ``get_size_per_token()``: payload, scales and the seals
+    at the end of each part of a page (``page.seal_bytes``)."""
     host_tokens: int
+    host_bytes: int
     host_tokens_without_scales: int
+    host_bytes_without_scales: int
+    """What a payload-only host pool would have allocated."""
 
-    @property
-    def bytes_per_token(self) -> int:
-        """The host pool's ``get_size_per_token()``: payload, scales and the
-        seals at the end of each part of a page (``page.seal_bytes``)."""
-        return (
-            self.payload_bytes_per_token
-            + self.scale_bytes_per_token
-            + self.seal_bytes_per_token
-        )
 
-    @property
-    def host_bytes(self) -> int:
-        return self.host_tokens * self.bytes_per_token
+class HostPlan(msgspec.Struct, frozen=True):
+    """The host tier of one rank and of one node, written by ``size --json``."""
 
-    @property
-    def host_bytes_without_scales(self) -> int:
-        """What a payload-only host pool would have allocated."""
-        return self.host_tokens_without_scales * self.payload_bytes_per_token
+    kv_cache_dtype: str
+    page_size: int
+    tp_size: int
+    ranks_per_node: int
+    source: str
+    pools: tuple[PoolPlan, ...]
+    host_bytes: int
+    host_bytes_without_scales: int
+    host_bytes_per_node: int
+    mamba_state_bytes: int
+    """Per request slot and rank; SGLang's Mamba host pool holds these apart."""
+    warnings: tuple[str, ...]
 
 
 def host_tokens(
@@ -184,48 +265,134 @@ def host_tokens(
 
 
 def host_plan(
-    model: ModelGeometry,
+    model: ModelKV,
     *,
-    tp_size: int,
     device_tokens: int,
     hicache_ratio: float = 2.0,
-    hicache_size_gb: float = 0.0,
+    hicache_size_gb: int = 0,
     fmt: ScaleFormat = MXFP8,
     page_size: int = PAGE_SIZE,
+    tp_size: int = 1,
+    ranks_per_node: int = 1,
+    max_mamba_cache_size: int | None = None,
+    draft_layers: int = 0,
 ) -> HostPlan:
-    """``fmt``'s host tier for ``model``: payload and scale bytes from the
-    same geometry the host pool uses."""
-    heads = model.kv_heads_per_rank(tp_size)
-    if model.head_dim % fmt.sf_block:
-        raise SizingError(
-            f"head_dim must be a multiple of {fmt.sf_block} ({fmt.name} keeps one "
-            f"scale byte per {fmt.sf_block} elements), got {model.head_dim}"
-        )
+    """``fmt``'s host tier for ``model`` on one rank, from ``device_tokens`` of
+    the full (or only) KV pool; payload and scale bytes from the geometry the
+    host pool uses. ``draft_layers``: packed MTP/NextN draft layers, which the
+    host page of the full (or only) pool carries after the target's."""
+    if draft_layers:
+        first, *rest = model.pools
+        first = msgspec.structs.replace(first, layers=first.layers + draft_layers)
+        model = msgspec.structs.replace(model, pools=(first, *rest))
     if fmt.interleaved and page_size != PAGE_SIZE:
         raise SizingError(
             f"{fmt.name} HiCache needs --page-size {PAGE_SIZE}, got {page_size}"
         )
-    scales = ScaleGeometry(
-        head_num=heads, head_dim=model.head_dim, page_size=page_size, fmt=fmt
-    )
-    payload = 2 * scales.payload_bytes_per_token * model.layers
-    scale = 2 * scales.bytes_per_token * model.layers
-    seal = 2 * seal_bytes(page_size) // page_size
+    for pool in model.pools:
+        for dim in (pool.head_dim, pool.v_head_dim):
+            if dim % fmt.sf_block:
+                raise SizingError(
+                    f"{pool.name} pool: head_dim must be a multiple of "
+                    f"{fmt.sf_block} ({fmt.name} keeps one scale byte per "
+                    f"{fmt.sf_block} elements), got {dim}"
+                )
+        if not fmt.interleaved and pool.head_dim != pool.v_head_dim:
+            raise SizingError(
+                f"{pool.name} pool: K head_dim {pool.head_dim} != V head_dim "
+                f"{pool.v_head_dim}, which SGLang's FP4 KV pool cannot hold; use "
+                "--kv-cache-dtype mxfp8"
+            )
+    per_token = [_pool_bytes_per_token(pool, fmt, page_size) for pool in model.pools]
+    # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.
+    pool_tokens = [
+        device_tokens
+        if pool.token_ratio == 1.0
+        else int(device_tokens * pool.token_ratio) // page_size * page_size
+        for pool in model.pools
+    ]
+    budgets = [float(hicache_size_gb)] * len(model.pools)
+    if hicache_size_gb > 0 and (len(model.pools) > 1 or model.mamba_state_bytes):
+        device_bytes = [
+            (tokens + page_size) * (payload + scale)
+            for tokens, (payload, scale, _) in zip(pool_tokens, per_token, strict=True)
+        ]
+        if model.mamba_state_bytes:
+            if max_mamba_cache_size is None:
+                raise SizingError(
+                    f"{model.source}: --hicache-size is shared with the Mamba "
+                    "state pool in proportion to device bytes; give its device "
+                    "slots as --max-mamba-cache-size"
+                )
+            device_bytes.append((max_mamba_cache_size + 1) * model.mamba_state_bytes)
+        total = sum(device_bytes)
+        budgets = [hicache_size_gb * b / total for b in device_bytes[: len(budgets)]]
+    plans = []
+    for pool, tokens, budget, (payload, scale, seal) in zip(
+        model.pools, pool_tokens, budgets, per_token, strict=True
+    ):
 
-    def tokens(bytes_per_token: int) -> int:
-        return host_tokens(
-            bytes_per_token,
-            device_tokens=device_tokens,
-            hicache_ratio=hicache_ratio,
-            hicache_size_gb=hicache_size_gb,
-            page_size=page_size,
+        def sized(bytes_per_token: int, tokens=tokens, budget=budget) -> int:
+            return host_tokens(
+                bytes_per_token,
+                device_tokens=tokens,
+                hicache_ratio=hicache_ratio,
+                hicache_size_gb=budget,
+                page_size=page_size,
+            )
+
+        with_scales = sized(payload + scale + seal)
+        without = sized(payload)
+        plans.append(
+            PoolPlan(
+                name=pool.name,
+                layers=pool.layers,
+                kv_heads=pool.kv_heads,
+                head_dim=pool.head_dim,
+                v_head_dim=pool.v_head_dim,
+                device_tokens=tokens,
+                payload_bytes_per_token=payload,
+                scale_bytes_per_token=scale,
+                seal_bytes_per_token=seal,
+                bytes_per_token=payload + scale + seal,
+                host_tokens=with_scales,
+                host_bytes=with_scales * (payload + scale + seal),
+                host_tokens_without_scales=without,
+                host_bytes_without_scales=without * payload,
+            )
         )
-
-    return HostPlan(
-        kv_heads_per_rank=heads,
-        payload_bytes_per_token=payload,
-        scale_bytes_per_token=scale,
-        seal_bytes_per_token=seal,
-        host_tokens=tokens(payload + scale + seal),
-        host_tokens_without_scales=tokens(payload),
+    warnings = tuple(
+        f"the {p.name} host pool ({p.host_tokens} tokens) is not larger than its "
+        f"device pool ({p.device_tokens} tokens): SGLang warns that L2 then helps "
+        "little; raise --hicache-ratio or --hicache-size"
+        for p in plans
+        if p.host_tokens <= p.device_tokens
     )
+    return HostPlan(
+        kv_cache_dtype=fmt.name,
+        page_size=page_size,
+        tp_size=tp_size,
+        ranks_per_node=ranks_per_node,
+        source=model.source,
+        pools=tuple(plans),
+        host_bytes=sum(p.host_bytes for p in plans),
+        host_bytes_per_node=sum(p.host_bytes for p in plans) * ranks_per_node,
+        host_bytes_without_scales=sum(p.host_bytes_without_scales for p in plans),
+        mamba_state_bytes=model.mamba_state_bytes,
+        warnings=warnings,
+    )
+
+
+def _pool_bytes_per_token(
+    pool: KVPool, fmt: ScaleFormat, page_size: int
+) -> tuple[int, int, int]:
+    """(payload, scales, seals) bytes per token of ``pool``'s host pages."""
+    k, v = (
+        ScaleGeometry(
+            head_num=pool.kv_heads, head_dim=dim, page_size=page_size, fmt=fmt
+        )
+        for dim in (pool.head_dim, pool.v_head_dim)
+    )
+    payload = (k.payload_bytes_per_token + v.payload_bytes_per_token) * pool.layers
+    scale = (k.bytes_per_token + v.bytes_per_token) * pool.layers
+    return payload, scale, 2 * seal_bytes(page_size) // page_size

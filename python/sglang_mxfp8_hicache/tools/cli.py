@@ -28,20 +28,30 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
+import msgspec
+
 from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
 from sglang_mxfp8_hicache.sizing import (
     PAGE_SIZE,
     SCALED_HEAD_DIMS,
     SMALLEST_SCALE_BLOCK,
-    ModelGeometry,
+    SWA_FULL_TOKENS_RATIO,
+    HostPlan,
+    ModelKV,
     SizingError,
+    dense_model,
     host_plan,
+    read_model,
 )
 
 PROG = "sglang-mxfp8-hicache"
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
-EXAMPLE_MODEL = ModelGeometry(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
+EXAMPLE_MODEL = dict(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
+MAX_HICACHE_SIZE_GB = 1_000_000
+"""A petabyte of host memory per rank: larger is a typo, not a plan."""
+MAX_DEVICE_TOKENS = 1 << 40
+MAX_HICACHE_RATIO = 1000
 EXAMPLE_DEVICE_TOKENS = 500_000
 BENCH_LAYERS = 8
 BENCH_SETUPS = (
@@ -168,11 +178,12 @@ def _check_dispatch() -> tuple[str, str]:
 
 
 def _check_sizing() -> tuple[str, str]:
-    plan = host_plan(EXAMPLE_MODEL, tp_size=1, device_tokens=EXAMPLE_DEVICE_TOKENS)
+    model = dense_model(**EXAMPLE_MODEL, tp_size=1)
+    [pool] = host_plan(model, device_tokens=EXAMPLE_DEVICE_TOKENS).pools
     return OK, (
-        f"Llama-3.1-8B, ratio 2: {plan.bytes_per_token} B/token "
-        f"({plan.scale_bytes_per_token} of scales), {plan.host_tokens} host tokens, "
-        f"{plan.host_bytes / 1e9:.2f} GB"
+        f"Llama-3.1-8B, ratio 2: {pool.bytes_per_token} B/token "
+        f"({pool.scale_bytes_per_token} of scales), {pool.host_tokens} host tokens, "
+        f"{pool.host_bytes / 1e9:.2f} GB"
     )
 
 
@@ -382,8 +393,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model(args: argparse.Namespace) -> ModelGeometry:
-    """The geometry from --config or from the three flags, never a mix: a flag
+def _model(args: argparse.Namespace) -> ModelKV:
+    """The model from --config or from the three flags, never a mix: a flag
     that quietly overrode one field of a config would size some other model."""
     flags = {
         "--layers": args.layers,
@@ -396,73 +407,115 @@ def _model(args: argparse.Namespace) -> ModelGeometry:
         if given:
             raise UsageError(f"--config with {', '.join(given)}: {choice}")
         try:
-            return ModelGeometry.from_hf_config(args.config)
+            return read_model(
+                args.config,
+                tp_size=args.tp_size,
+                swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+            )
         except SizingError as exc:
             raise UsageError(f"--config {exc}") from None
     missing = [flag for flag in flags if flag not in given]
     if missing:
         raise UsageError(f"no {', '.join(missing)}: {choice}")
-    return ModelGeometry(
-        layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim
+    return dense_model(
+        layers=args.layers,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        tp_size=args.tp_size,
     )
 
 
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
+
+
 def cmd_size(args: argparse.Namespace) -> int:
-    model = _model(args)
     plan = host_plan(
-        model,
-        tp_size=args.tp_size,
+        _model(args),
         device_tokens=args.device_tokens,
         hicache_ratio=args.hicache_ratio,
         hicache_size_gb=args.hicache_size,
         fmt=FORMATS[args.kv_cache_dtype],
         page_size=args.page_size,
+        tp_size=args.tp_size,
+        ranks_per_node=min(args.tp_size, args.gpus_per_node),
+        max_mamba_cache_size=args.max_mamba_cache_size,
+        draft_layers=args.draft_layers,
     )
     if args.json:
-        print(
-            json.dumps(
-                {
-                    **asdict(plan),
-                    "bytes_per_token": plan.bytes_per_token,
-                    "host_bytes": plan.host_bytes,
-                    "host_bytes_without_scales": plan.host_bytes_without_scales,
-                }
-            )
-        )
+        print(msgspec.json.encode(plan).decode())
         return 0
+    _print_plan(plan, args)
+    return 0
+
+
+def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
     sizing = (
-        f"--hicache-size {args.hicache_size} GB"
+        f"--hicache-size {args.hicache_size} GB per rank"
         if args.hicache_size > 0
         else f"--hicache-ratio {args.hicache_ratio} x {args.device_tokens} device tokens"
     )
     print(
-        f"per rank: {model.layers} layers, {plan.kv_heads_per_rank} KV heads x "
-        f"{model.head_dim} (TP {args.tp_size}), --kv-cache-dtype "
-        f"{args.kv_cache_dtype}, page_size {args.page_size}, {sizing}"
+        f"{plan.source}: TP {plan.tp_size}, --kv-cache-dtype {plan.kv_cache_dtype}, "
+        f"page_size {plan.page_size}, {sizing}"
     )
     print_table(
-        ["", "bytes/token", "host tokens", "host GB"],
+        [
+            "pool",
+            "layers",
+            "KV heads x dim",
+            "device tokens",
+            "B/token (payload+scales+seals)",
+            "host tokens",
+            "host GB",
+            "payload-only host tokens",
+        ],
         [
             [
-                "payload only",
-                str(plan.payload_bytes_per_token),
-                str(plan.host_tokens_without_scales),
-                f"{plan.host_bytes_without_scales / 1e9:.3f}",
-            ],
-            [
-                f"{args.kv_cache_dtype} with scales",
-                str(plan.bytes_per_token),
-                str(plan.host_tokens),
-                f"{plan.host_bytes / 1e9:.3f}",
-            ],
+                p.name,
+                str(p.layers),
+                f"{p.kv_heads} x {p.head_dim}"
+                + (f"/{p.v_head_dim}" if p.v_head_dim != p.head_dim else ""),
+                str(p.device_tokens),
+                f"{p.bytes_per_token} ({p.payload_bytes_per_token}+"
+                f"{p.scale_bytes_per_token}+{p.seal_bytes_per_token})",
+                str(p.host_tokens),
+                f"{p.host_bytes / 1e9:.3f}",
+                str(p.host_tokens_without_scales),
+            ]
+            for p in plan.pools
         ],
     )
+    print(f"host tier per rank: {_gb(plan.host_bytes)}")
+    ranks = f"{plan.ranks_per_node} rank{'s' if plan.ranks_per_node > 1 else ''}"
     print(
-        f"scales: {plan.scale_bytes_per_token} B/token "
-        f"({100 * plan.scale_bytes_per_token / plan.payload_bytes_per_token:.3f} % of the payload); "
-        f"page seals: {plan.seal_bytes_per_token} B/token"
+        f"per node ({ranks}, --gpus-per-node {args.gpus_per_node}): "
+        f"{_gb(plan.host_bytes_per_node)}"
     )
-    return 0
+    if plan.mamba_state_bytes:
+        print(
+            f"Mamba state: {plan.mamba_state_bytes} B per request slot per rank, "
+            "in SGLang's own Mamba host pool beside these"
+        )
+    available = _available_host_bytes()
+    if available is not None and plan.host_bytes_per_node > available:
+        print(
+            f"warning: a node's host tier is more than this machine's available "
+            f"memory ({_gb(available)}); SGLang refuses a host pool that does "
+            "not fit when it allocates"
+        )
+    for warning in plan.warnings:
+        print(f"warning: {warning}")
+
+
+def _available_host_bytes() -> int | None:
+    """What SGLang would find free on this machine (``available_host_memory_bytes``)."""
+    try:
+        from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
+
+        return int(available_host_memory_bytes())
+    except Exception:  # sizing still answers where SGLang cannot tell
+        return None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -646,6 +699,42 @@ def finite_non_negative(text: str) -> float:
     return value
 
 
+def device_token_count(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_DEVICE_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_DEVICE_TOKENS} tokens, got {text}"
+        )
+    return value
+
+
+def hicache_size_gb(text: str) -> int:
+    """SGLang's --hicache-size is an integer number of GB."""
+    value = non_negative_int(text)
+    if value > MAX_HICACHE_SIZE_GB:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_HICACHE_SIZE_GB} GB per rank, got {text}"
+        )
+    return value
+
+
+def hicache_ratio(text: str) -> float:
+    value = finite_non_negative(text)
+    if value > MAX_HICACHE_RATIO:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_HICACHE_RATIO} host tokens per device token, "
+            f"got {text}"
+        )
+    return value
+
+
+def unit_fraction(text: str) -> float:
+    value = finite_non_negative(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def page_counts(text: str) -> tuple[int, ...]:
     try:
         return tuple(positive_int(item) for item in text.split(","))
@@ -795,7 +884,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"tokens per page; mxfp8 needs {PAGE_SIZE} (default: %(default)s)",
     )
     size.add_argument(
-        "--config", metavar="PATH", help="the model's Hugging Face config.json"
+        "--config",
+        metavar="PATH",
+        help="the model's directory or its config.json, read through SGLang's "
+        "ModelConfig (hybrid SWA and Mamba models get SGLang's pools)",
     )
     size.add_argument(
         "--layers", type=positive_int, metavar="N", help="num_hidden_layers"
@@ -819,24 +911,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.add_argument(
         "--device-tokens",
-        type=positive_int,
+        type=device_token_count,
         metavar="N",
         required=True,
-        help="the device KV pool's token count (max_total_num_tokens)",
+        help="the device KV pool's token count (max_total_num_tokens; of the "
+        "full pool for hybrid models)",
     )
     size.add_argument(
         "--hicache-ratio",
-        type=finite_non_negative,
+        type=hicache_ratio,
         metavar="R",
         default=2.0,
         help="host tokens per device token (default: %(default)s)",
     )
     size.add_argument(
         "--hicache-size",
-        type=finite_non_negative,
+        type=hicache_size_gb,
         metavar="GB",
-        default=0.0,
-        help="host GB per rank; overrides the ratio unless 0 (default: %(default)s)",
+        default=0,
+        help="host GB (1e9 B) per rank, an integer as SGLang's flag; overrides "
+        "the ratio unless 0 (default: %(default)s)",
+    )
+    size.add_argument(
+        "--swa-full-tokens-ratio",
+        type=unit_fraction,
+        metavar="R",
+        default=SWA_FULL_TOKENS_RATIO,
+        help="hybrid SWA models: SWA pool tokens per full pool token, as SGLang's "
+        "flag (default: %(default)s)",
+    )
+    size.add_argument(
+        "--max-mamba-cache-size",
+        type=positive_int,
+        metavar="N",
+        help="Mamba hybrids with --hicache-size: the device Mamba slots, which "
+        "share the host budget (default: none)",
+    )
+    size.add_argument(
+        "--draft-layers",
+        type=non_negative_int,
+        metavar="N",
+        default=0,
+        help="packed MTP/NextN draft layers (--speculative-algorithm NEXTN or "
+        "EAGLE on an MTP model), carried in the target's host pages "
+        "(default: %(default)s)",
+    )
+    size.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        metavar="N",
+        default=8,
+        help="ranks on one host, for the per-node total (default: %(default)s)",
     )
     size.add_argument("--json", action="store_true", help="print the plan as JSON")
     size.set_defaults(func=cmd_size)

@@ -170,7 +170,7 @@ def kv_cache_dtype(setup: str) -> str:
     return next((n for n in FP4_FORMAT_NAMES if setup.endswith(n)), "mxfp8")
 
 
-def _publish(setup: str):
+def _publish(setup: str, *, hicache_ratio: float = 2.0, hicache_size: int = 0):
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
@@ -183,8 +183,8 @@ def _publish(setup: str):
         page_size=PAGE,
         kv_cache_dtype=kv_cache_dtype(setup),
         enable_hierarchical_cache=True,
-        hicache_ratio=2.0,
-        hicache_size=0,
+        hicache_ratio=hicache_ratio,
+        hicache_size=hicache_size,
         hicache_mem_layout="layer_first" if setup == "layer_first" else "page_first",
         hicache_io_backend="kernel",
         hicache_write_policy="write_through",

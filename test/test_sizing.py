@@ -1,0 +1,150 @@
+"""``size`` against SGLang: models read through its ModelConfig, host pools
+planned as its assembler builds them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+from sglang_mxfp8_hicache.sizing import SizingError, read_model
+from sglang_mxfp8_hicache.tools.cli import main
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("hicache", ["ratio", "size"])
+@pytest.mark.parametrize(
+    "setup", ["kv", "draft", "hybrid_swa", "mamba", "fp4_mx_block16"]
+)
+def test_size_matches_the_pools_sglang_builds(setup, hicache):
+    """Each host pool SGLang's assembler builds for the setup (a dense pool,
+    packed drafts, full and SWA pools, a full pool beside Mamba state, FP4),
+    sized by ``--hicache-ratio 2`` or ``--hicache-size 1`` (shared over the
+    pools by device bytes), has the bytes per token and tokens ``size`` plans."""
+    ratio, size_gb = ("2.0", "0") if hicache == "ratio" else ("0", "1")
+    done = subprocess.run(
+        [sys.executable, str(HERE / "sizing_vs_sglang.py"), setup, ratio, size_gb],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(HERE)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["built"], result
+    assert result["planned"] == result["built"]
+
+
+def _config_dir(tmp_path: Path, config_class: str, arch: str, **fields) -> Path:
+    """A model directory holding transformers' default config of the class,
+    with ``fields`` set (as a real config.json has them)."""
+    config = getattr(transformers, config_class)().to_dict()
+    config.update(fields, architectures=[arch])
+    path = tmp_path / arch
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_hybrid_swa_model_has_full_and_swa_pools(tmp_path):
+    """gpt-oss: half its layers slide; the SWA pool has 0.8 of the tokens."""
+    path = _config_dir(tmp_path, "GptOssConfig", "GptOssForCausalLM")
+    model = read_model(path, tp_size=4)
+    assert [(p.name, p.layers, p.kv_heads) for p in model.pools] == [
+        ("full", 18, 2),
+        ("swa", 18, 2),
+    ]
+    assert model.pools[1].token_ratio == 0.8
+
+
+def test_mamba_hybrid_has_only_full_attention_layers(tmp_path):
+    """Qwen3-Next at 48 layers has 12 of full attention; the rest is Mamba
+    state, reported beside the KV pool."""
+    path = _config_dir(
+        tmp_path,
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        full_attention_interval=4,
+    )
+    model = read_model(path / "config.json", tp_size=2)
+    [pool] = model.pools
+    assert (pool.name, pool.layers, pool.kv_heads) == ("kv", 12, 1)
+    assert model.mamba_state_bytes > 0
+
+
+def test_dense_model_and_mla_refused(tmp_path):
+    dense = _config_dir(tmp_path, "LlamaConfig", "LlamaForCausalLM")
+    [pool] = read_model(dense, tp_size=8).pools
+    assert (pool.layers, pool.kv_heads, pool.head_dim) == (32, 4, 128)
+    mla = _config_dir(tmp_path, "DeepseekV3Config", "DeepseekV3ForCausalLM")
+    with pytest.raises(SizingError, match="an MLA model .*serves MHA pools only"):
+        read_model(mla, tp_size=8)
+
+
+def run_size(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(["size", *argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+DENSE = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--hicache-size", "1e30"], "--hicache-size: must be an integer >= 0"),
+        (["--hicache-size", "0.5"], "--hicache-size: must be an integer >= 0"),
+        (["--hicache-size", "10000000"], "at most 1000000 GB per rank"),
+        (["--hicache-ratio", "1e30"], "at most 1000 host tokens per device token"),
+        (["--device-tokens", str(1 << 41)], "at most"),
+        (["--swa-full-tokens-ratio", "1.5"], "must be in (0, 1]"),
+    ],
+    ids=["size_1e30", "size_float", "size_huge", "ratio_huge", "tokens_huge", "swa"],
+)
+def test_absurd_values_are_one_line(capsys, flags, says):
+    code, out, err = run_size([*DENSE, "--device-tokens", "1000", *flags], capsys)
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_mamba_hicache_size_needs_its_slots(tmp_path, capsys):
+    """--hicache-size is shared with the Mamba pool by device bytes: without
+    the Mamba slots there is nothing to share by, and the error says what to give."""
+    path = _config_dir(
+        tmp_path,
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        full_attention_interval=4,
+    )
+    argv = ["--config", str(path), "--device-tokens", "100000", "--hicache-size", "8"]
+    code, _, err = run_size(argv, capsys)
+    assert code == 2 and "give its device slots as --max-mamba-cache-size" in err
+    code, out, _ = run_size([*argv, "--max-mamba-cache-size", "64", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["mamba_state_bytes"] > 0
+    # The KV pool gets less than the whole budget: the Mamba pool shares it.
+    assert plan["pools"][0]["host_bytes"] < 8e9
+
+
+def test_small_host_tier_warns(capsys):
+    """SGLang warns when a host pool is not larger than its device pool; so
+    does ``size``, before the server is started."""
+    code, out, _ = run_size(
+        [*DENSE, "--device-tokens", "100000", "--hicache-ratio", "0.5"], capsys
+    )
+    assert code == 0
+    assert (
+        "warning: the kv host pool (50048 tokens) is not larger than its device" in out
+    )
