@@ -648,3 +648,16 @@ def test_check_require_gpu(monkeypatch, capsys, flags, code):
     assert exit_code == code
     assert "Not run on this machine: GPU round trip." in out
     assert ("--require-gpu: GPU round trip did not run." in err) == bool(code)
+
+
+def test_bench_plot_from_json(tmp_path, capsys):
+    """``bench --plot`` draws the committed runs' JSON, no GPU needed."""
+    pytest.importorskip("matplotlib")
+    data = Path(__file__).parent.parent / "docs" / "data"
+    sources = ",".join(str(data / f"bench-h200-{n}.json") for n in ("mxfp8", "fp4"))
+    out = tmp_path / "plot.png"
+    code, said, _ = run_cli(["bench", "--plot", str(out), "--from", sources], capsys)
+    assert code == 0 and said == f"wrote {out}\n"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, _, err = run_cli(["bench", "--plot", str(out)], capsys)
+    assert code == 2 and "--plot and --from go together" in err

@@ -5,7 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-CORE = ("plugin", "host_pool", "geometry", "page", "transfer", "sizing", "storage")
+CORE = (
+    "plugin",
+    "host_pool",
+    "geometry",
+    "page",
+    "transfer",
+    "sizing",
+    "storage",
+    "refusals",
+    "errors",
+    "seal",
+)
 
 
 def test_core_imports_no_tools():

@@ -633,13 +633,3 @@ def plot(json_paths: Sequence[str], out: str) -> None:
     axes[0][1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) < 4 or sys.argv[1] != "--plot":
-        sys.exit(
-            "usage: python -m sglang_mxfp8_hicache.tools.bench --plot OUT.png JSON..."
-        )
-    plot(sys.argv[3:], sys.argv[2])

@@ -24,7 +24,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -87,8 +86,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-@dataclass
-class Step:
+class Step(msgspec.Struct, frozen=True):
+    """One step of ``check``, as its table row and its ``--json`` entry."""
+
     name: str
     status: str
     detail: str
@@ -378,7 +378,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{name}: {steps[-1].status} ({took:.0f} s)", file=sys.stderr, flush=True)
     skipped = [s.name for s in steps if s.status == SKIPPED]
     if args.json:
-        print(json.dumps([asdict(s) for s in steps], indent=2))
+        print(msgspec.json.format(msgspec.json.encode(steps).decode(), indent=2))
     else:
         print_table(
             ["step", "status", "detail"], [[s.name, s.status, s.detail] for s in steps]
@@ -519,6 +519,14 @@ def _available_host_bytes() -> int | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if (args.plot is None) != (args.plot_from is None):
+        raise UsageError("--plot and --from go together")
+    if args.plot is not None:
+        from sglang_mxfp8_hicache.tools.bench import plot
+
+        plot(args.plot_from, args.plot)
+        print(f"wrote {args.plot}")
+        return 0
     if args.l3 is not None:
         return cmd_bench_l3(args)
     for flag, value, needs in (
@@ -813,6 +821,16 @@ def setup_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def existing_files(text: str) -> tuple[str, ...]:
+    paths = tuple(item for item in text.split(",") if item)
+    missing = [path for path in paths if not Path(path).is_file()]
+    if not paths or missing:
+        raise argparse.ArgumentTypeError(
+            f"must be existing files, comma separated; not found: {missing or text!r}"
+        )
+    return paths
+
+
 def json_out_path(text: str) -> str:
     """Checked before a benchmark of minutes, not when its results are written."""
     path = Path(text)
@@ -1042,6 +1060,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=json_out_path,
         metavar="PATH",
         help="write the rows as JSON here",
+    )
+    bench.add_argument(
+        "--plot",
+        type=json_out_path,
+        metavar="PNG",
+        help="draw ours / payload-only and ours / raw copy against pages from "
+        "--from's JSON files instead of timing (needs matplotlib, no GPU)",
+    )
+    bench.add_argument(
+        "--from",
+        dest="plot_from",
+        type=existing_files,
+        metavar="JSON,...",
+        help="--plot: the --json-out files of earlier runs, comma separated",
     )
     bench.add_argument(
         "--check", action="store_true", help="exit 1 if a cell misses its goal (CI)"
