@@ -14,7 +14,10 @@ import json
 import os
 import sys
 
+import msgspec
 import pytest
+
+from sglang_mxfp8_hicache.tools.e2e import Verdict
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -23,13 +26,13 @@ from kernel_emulation import install_stack_emulation  # noqa: E402
 
 def run_cpu(
     modes, setups, timeout: float = 600, l3: str | None = None, l3_config=None
-) -> dict[str, dict]:
+) -> dict[str, Verdict]:
     """``main`` in a fresh process per mode; the verdicts keyed as
     ``tools.e2e.run_modes`` keys them. ``l3``: then through that L3 backend,
     with ``l3_config`` as its extra config where it needs one."""
     import subprocess
 
-    from sglang_mxfp8_hicache.tools.e2e import L3_CONFIG_ENV, verdict_key
+    from sglang_mxfp8_hicache.tools.e2e import L3_CONFIG_ENV
 
     env = dict(os.environ)
     if l3_config is not None:
@@ -48,28 +51,28 @@ def run_cpu(
             raise RuntimeError(f"e2e_cpu {mode}: {done.stderr.strip()[-2000:]}")
         for line in done.stdout.splitlines():
             if line.startswith("{"):  # NIXL logs to stdout too
-                verdict = json.loads(line)
-                verdicts[verdict_key(verdict)] = verdict
+                verdict = msgspec.json.decode(line, type=Verdict)
+                verdicts[verdict.key] = verdict
     return verdicts
 
 
-def assert_exact(verdict: dict) -> None:
+def assert_exact(verdict: Verdict) -> None:
     """Payload and scales of every MXFP8 layer restored, dequantized difference
     0, and every device page outside the load kept."""
-    assert "error" not in verdict, verdict["error"]
-    assert verdict["payload_restored"] and verdict["scales_restored"], verdict
-    assert verdict["dequantized_max_diff"] == 0.0, verdict
-    assert verdict["untouched_pages_kept"], verdict
-    if verdict["write_path"].startswith("set_kv_buffer"):
-        assert verdict["quantized_within_error"], verdict
+    assert verdict.error is None, verdict.error
+    assert verdict.payload_restored and verdict.scales_restored, verdict
+    assert verdict.dequantized_max_diff == 0.0, verdict
+    assert verdict.untouched_pages_kept, verdict
+    if verdict.write_path.startswith("set_kv_buffer"):
+        assert verdict.quantized_within_error, verdict
 
 
-def assert_control_loses_scales(verdict: dict) -> None:
+def assert_control_loses_scales(verdict: Verdict) -> None:
     """The payload-only host pool restores the payload and loses the scales."""
-    assert "error" not in verdict, verdict["error"]
-    assert verdict["payload_restored"], verdict
-    assert not verdict["scales_restored"], verdict
-    assert verdict["dequantized_max_diff"] > 0, verdict
+    assert verdict.error is None, verdict.error
+    assert verdict.payload_restored, verdict
+    assert not verdict.scales_restored, verdict
+    assert verdict.dequantized_max_diff > 0, verdict
 
 
 def main() -> None:
@@ -80,7 +83,7 @@ def main() -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         install_stack_emulation(monkeypatch)
         for verdict in run_setups(mode, setups, l3, device="cpu"):
-            print(json.dumps(verdict), flush=True)
+            print(msgspec.json.encode(verdict).decode(), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,53 +32,51 @@ def mooncake_verdict(mooncake):
 @pytest.mark.parametrize("mode", ["ours", "sglang"])
 def test_restore_is_exact(verdicts, mode):
     v = verdicts[mode]
-    assert "error" not in v, v.get("error")
-    assert v["payload_restored"] and v["scales_restored"], v
-    assert v["dequantized_max_diff"] == 0.0, v
-    assert v["untouched_pages_kept"], v
-    if v["write_path"].startswith("set_kv_buffer"):
-        assert v["quantized_within_error"], v
+    assert v.error is None, v.error
+    assert v.payload_restored and v.scales_restored, v
+    assert v.dequantized_max_diff == 0.0, v
+    assert v.untouched_pages_kept, v
+    if v.write_path.startswith("set_kv_buffer"):
+        assert v.quantized_within_error, v
 
 
 def test_host_classes(verdicts):
-    assert verdicts["ours"]["host_class"] == (
+    assert verdicts["ours"].host_class == (
         "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
     )
-    assert verdicts["sglang"]["host_class"] == (
+    assert verdicts["sglang"].host_class == (
         "sglang.srt.mem_cache.pool_host.mha_mxfp8.MHATokenToKVPoolMXFP8Host"
     )
-    assert verdicts["plain"]["host_class"] == (
+    assert verdicts["plain"].host_class == (
         "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
     )
 
 
 def test_cross_check_with_sglang_class(verdicts):
-    assert verdicts["ours"]["restored_sha256"] == verdicts["sglang"]["restored_sha256"]
+    assert verdicts["ours"].restored_sha256 == verdicts["sglang"].restored_sha256
 
 
 def test_payload_only_pool_loses_scales(verdicts):
     v = verdicts["plain"]
-    assert "error" not in v, v.get("error")
-    assert v["payload_restored"], v
-    assert not v["scales_restored"], v
-    assert v["dequantized_max_diff"] > 0, v
+    assert v.error is None, v.error
+    assert v.payload_restored, v
+    assert not v.scales_restored, v
+    assert v.dequantized_max_diff > 0, v
 
 
 def _assert_l3_exact(v: dict, backend: str) -> None:
-    assert "error" not in v, v.get("error")
-    l3 = v["l3"]
-    assert l3["backend"] == backend
+    assert v.error is None, v.error
+    l3 = v.l3
+    assert l3.backend == backend
     # The refused backend named itself and left the controller as it was.
-    assert (
-        "--hicache-storage-backend sim cannot store mxfp8 pages" in l3["refused_attach"]
-    )
-    assert l3["refusal_left_controller_clean"]
-    tokens = l3["pages"] * 128
-    assert l3["stored_tokens"] == l3["hit_tokens"] == l3["fetched_tokens"] == tokens, l3
-    assert l3["payload_restored"] and l3["scales_restored"], l3
-    assert l3["dequantized_max_diff"] == 0.0, l3
-    assert l3["untouched_pages_kept"], l3
-    assert l3["format_tag"].startswith("mxfp8v3-l4h8d128p128"), l3
+    assert "--hicache-storage-backend sim cannot store mxfp8 pages" in l3.refused_attach
+    assert l3.refusal_left_controller_clean
+    tokens = l3.pages * 128
+    assert l3.stored_tokens == l3.hit_tokens == l3.fetched_tokens == tokens, l3
+    assert l3.payload_restored and l3.scales_restored, l3
+    assert l3.dequantized_max_diff == 0.0, l3
+    assert l3.untouched_pages_kept, l3
+    assert l3.format_tag.startswith("mxfp8v3-l4h8d128p128"), l3
 
 
 @pytest.mark.parametrize("backend", ["file", "hf3fs", "nixl"])
@@ -101,11 +99,11 @@ def test_setup_restores_exactly(verdicts, setup):
     assert_exact(v)
     # nvfp4's quantizer needs Blackwell: on Hopper its pages are random bytes.
     if setup != "nvfp4":
-        assert v["write_path"].startswith("set_kv_buffer"), v["write_path"]
-    assert {k: c for k, c in v["host_classes"].items() if k != "mamba"} == {
-        k: OURS for k in v["host_classes"] if k != "mamba"
+        assert v.write_path.startswith("set_kv_buffer"), v.write_path
+    assert {k: c for k, c in v.host_classes.items() if k != "mamba"} == {
+        k: OURS for k in v.host_classes if k != "mamba"
     }
-    assert v.get("state_restored", True), v
+    assert v.state_restored is not False, v
     assert_control_loses_scales(verdicts[f"{setup}:plain"])
 
 
@@ -114,8 +112,8 @@ def test_setup_cross_check_with_sglang_class(verdicts, setup):
     """SGLang's own MXFP8 class serves sidecar and hybrid page_first pools: the
     restored bytes agree."""
     ours, sglang = verdicts[f"{setup}:ours"], verdicts[f"{setup}:sglang"]
-    assert "error" not in sglang, sglang["error"]
-    assert ours["restored_sha256"] == sglang["restored_sha256"]
+    assert sglang.error is None, sglang.error
+    assert ours.restored_sha256 == sglang.restored_sha256
 
 
 @pytest.mark.parametrize(
@@ -129,4 +127,4 @@ def test_setup_cross_check_with_sglang_class(verdicts, setup):
     ],
 )
 def test_sglang_class_refuses(verdicts, setup, error):
-    assert error in verdicts[f"{setup}:sglang"]["error"]
+    assert error in verdicts[f"{setup}:sglang"].error

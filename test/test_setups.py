@@ -41,9 +41,9 @@ def test_controller_restores_exactly(verdicts, setup):
     assert_exact(verdict)
     # Every MXFP8 sub-pool the assembler built is ours (hybrid_swa: kv and swa);
     # the Mamba state keeps SGLang's own host pool, and comes back too.
-    mxfp8 = {k: v for k, v in verdict["host_classes"].items() if k != "mamba"}
-    assert set(mxfp8.values()) == {OURS}, verdict["host_classes"]
-    assert verdict.get("state_restored", True), verdict
+    mxfp8 = {k: v for k, v in verdict.host_classes.items() if k != "mamba"}
+    assert set(mxfp8.values()) == {OURS}, verdict.host_classes
+    assert verdict.state_restored is not False, verdict
 
 
 @pytest.mark.parametrize("setup", SETUPS)
@@ -52,7 +52,7 @@ def test_payload_only_control_loses_scales(verdicts, setup):
 
 
 def test_setups_cover_their_layers(verdicts):
-    layers = {setup: verdicts[_key(setup, "ours")]["layers"] for setup in SETUPS}
+    layers = {setup: verdicts[_key(setup, "ours")].layers for setup in SETUPS}
     assert layers == {
         "kv": 4,
         "draft": 6,
@@ -65,7 +65,7 @@ def test_setups_cover_their_layers(verdicts):
         "mamba_fp4_mx_block16": 2,
     }
     host_classes = {
-        setup: set(verdicts[_key(setup, "ours")]["host_classes"])
+        setup: set(verdicts[_key(setup, "ours")].host_classes)
         for setup in ("sidecar_draft", "hybrid_swa", "mamba", "mamba_fp4_mx_block16")
     }
     assert host_classes == {
@@ -75,4 +75,4 @@ def test_setups_cover_their_layers(verdicts):
         "mamba_fp4_mx_block16": {"kv", "mamba"},
     }
     for setup in ("mamba", "mamba_fp4_mx_block16"):
-        assert verdicts[_key(setup, "ours")]["state_restored"]
+        assert verdicts[_key(setup, "ours")].state_restored

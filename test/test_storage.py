@@ -1072,16 +1072,16 @@ def test_controller_attach_round_trip_detach(l3, request):
     elif l3.startswith("dynamic"):
         name, config = "dynamic", dynamic_config(v1=l3 == "dynamic_v1")
     [verdict] = run_cpu(["ours"], ["kv"], l3=name, l3_config=config).values()
-    assert "error" not in verdict, verdict["error"]
-    result = verdict["l3"]
-    assert "--hicache-storage-backend sim cannot store" in result["refused_attach"]
-    assert result["refusal_left_controller_clean"]
-    tokens = result["pages"] * PAGE_SIZE
-    assert result["stored_tokens"] == result["hit_tokens"] == tokens, result
-    assert result["fetched_tokens"] == tokens, result
-    assert result["payload_restored"] and result["scales_restored"], result
-    assert result["dequantized_max_diff"] == 0.0, result
-    assert result["untouched_pages_kept"], result
+    assert verdict.error is None, verdict.error
+    result = verdict.l3
+    assert "--hicache-storage-backend sim cannot store" in result.refused_attach
+    assert result.refusal_left_controller_clean
+    tokens = result.pages * PAGE_SIZE
+    assert result.stored_tokens == result.hit_tokens == tokens, result
+    assert result.fetched_tokens == tokens, result
+    assert result.payload_restored and result.scales_restored, result
+    assert result.dequantized_max_diff == 0.0, result
+    assert result.untouched_pages_kept, result
 
 
 @on_cpu

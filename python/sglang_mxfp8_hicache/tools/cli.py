@@ -225,22 +225,6 @@ def _check_round_trip() -> tuple[str, str]:
     return (OK if result.ok else FAIL), detail
 
 
-def _restored_exactly(verdict: dict) -> bool:
-    """An e2e verdict's restore: payload and scales equal, dequantized
-    difference 0, every other device page kept, and KV that SGLang's
-    set_kv_buffer wrote within the format's quantization error."""
-    return (
-        verdict["payload_restored"]
-        and verdict["scales_restored"]
-        and verdict["untouched_pages_kept"]
-        and verdict["dequantized_max_diff"] == 0.0
-        and (
-            verdict["quantized_within_error"]
-            or not verdict["write_path"].startswith("set_kv")
-        )
-    )
-
-
 def _e2e_progress(line: str) -> None:
     """An e2e step's processes, each as it ends: a step takes minutes."""
     print(f"  {line}", file=sys.stderr, flush=True)
@@ -255,19 +239,19 @@ def _check_e2e() -> tuple[str, str]:
 
     verdicts = run_modes(progress=_e2e_progress)
     errors = {
-        m: v["error"].splitlines()[-1] for m, v in verdicts.items() if "error" in v
+        m: v.error.splitlines()[-1] for m, v in verdicts.items() if v.error is not None
     }
     if errors:
         return FAIL, f"errors: {errors}"
     ours, sglang, plain = verdicts["ours"], verdicts["sglang"], verdicts["plain"]
-    exact = all(_restored_exactly(v) for v in (ours, sglang))
-    agree = ours["restored_sha256"] == sglang["restored_sha256"]
-    control_caught = plain["payload_restored"] and not plain["scales_restored"]
+    exact = ours.restored_exactly and sglang.restored_exactly
+    agree = ours.restored_sha256 == sglang.restored_sha256
+    control_caught = plain.payload_restored and not plain.scales_restored
     detail = (
-        f"sequences {list(SEQ_LENS)} via {ours['write_path'].split(' (')[0]}; "
-        f"ours/sglang max |dequant diff| {ours['dequantized_max_diff']}/"
-        f"{sglang['dequantized_max_diff']}, bytes {'identical' if agree else 'DIFFER'}; "
-        f"payload-only pool: scales lost, max diff {plain['dequantized_max_diff']:.3g}"
+        f"sequences {list(SEQ_LENS)} via {ours.write_path.split(' (')[0]}; "
+        f"ours/sglang max |dequant diff| {ours.dequantized_max_diff}/"
+        f"{sglang.dequantized_max_diff}, bytes {'identical' if agree else 'DIFFER'}; "
+        f"payload-only pool: scales lost, max diff {plain.dequantized_max_diff:.3g}"
         if control_caught
         else "payload-only control did NOT lose scales"
     )
@@ -289,17 +273,18 @@ def _check_e2e_fp4() -> tuple[str, str]:
     verdicts = run_modes(
         modes=("ours", "plain"), setups=(setup,), progress=_e2e_progress
     )
-    ours, plain = verdicts.get(f"{setup}:ours", {}), verdicts.get(f"{setup}:plain", {})
+    ours, plain = verdicts.get(f"{setup}:ours"), verdicts.get(f"{setup}:plain")
     for v in (ours, plain):
-        if "error" in v or not v:
-            return FAIL, f"error: {v.get('error', 'no verdict').splitlines()[-1]}"
+        if v is None or v.error is not None:
+            said = "no verdict" if v is None else v.error.splitlines()[-1]
+            return FAIL, f"error: {said}"
     # Written by set_kv_buffer, not the random-bytes fallback.
-    exact = ours["write_path"].startswith("set_kv_buffer") and _restored_exactly(ours)
-    caught = plain["payload_restored"] and not plain["scales_restored"]
+    exact = ours.write_path.startswith("set_kv_buffer") and ours.restored_exactly
+    caught = plain.payload_restored and not plain.scales_restored
     detail = (
         f"{setup} via set_kv_buffer: max |dequant diff| "
-        f"{ours['dequantized_max_diff']}; payload-only pool: scales lost, max diff "
-        f"{plain['dequantized_max_diff']:.3g}"
+        f"{ours.dequantized_max_diff}; payload-only pool: scales lost, max diff "
+        f"{plain.dequantized_max_diff:.3g}"
         if caught
         else "payload-only control did NOT lose scales"
     )
@@ -331,22 +316,22 @@ def _check_e2e_l3() -> tuple[str, str]:
             )
     details, ok = [], True
     for key, v in verdicts.items():
-        l3 = v.get("l3")
+        l3 = v.l3
         if l3 is None:
             ok = False
-            details.append(f"{key}: {v.get('error', 'no verdict').splitlines()[-1]}")
+            details.append(f"{key}: {(v.error or 'no verdict').splitlines()[-1]}")
             continue
-        exact = (
-            l3["payload_restored"]
-            and l3["scales_restored"]
-            and l3["untouched_pages_kept"]
-            and l3["dequantized_max_diff"] == 0.0
-            and l3["fetched_tokens"] == l3["pages"] * 128
-            and l3["refusal_left_controller_clean"]
+        exact = bool(
+            l3.payload_restored
+            and l3.scales_restored
+            and l3.untouched_pages_kept
+            and l3.dequantized_max_diff == 0.0
+            and l3.fetched_tokens == l3.pages * 128
+            and l3.refusal_left_controller_clean
         )
         ok &= exact
         details.append(
-            f"{l3['backend']}: {l3['pages']} pages out of L2 and back, "
+            f"{l3.backend}: {l3.pages} pages out of L2 and back, "
             f"{'exact' if exact else 'NOT EXACT'}"
         )
     if mooncake_missing is not None:

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
@@ -162,6 +163,77 @@ class Stack:
     @property
     def device_pools(self) -> list[Any]:
         return list({id(d.pool): d.pool for d in self.layers}.values())
+
+
+NOT_FINITE = torch.finfo(torch.float32).max
+
+
+class Restore(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One load through the controller, judged against what was written."""
+
+    payload_restored: bool | None = None
+    scales_restored: bool | None = None
+    state_restored: bool | None = None
+    """Mamba state slots; None where the setup has none."""
+    dequantized_max_diff: float | None = None
+    """Non-finite differences (a wrong scale byte can make NaN) count as
+    ``NOT_FINITE``: JSON has no infinity."""
+    untouched_pages_kept: bool | None = None
+
+
+class L3Trip(Restore, kw_only=True, forbid_unknown_fields=True):
+    """L2 -> L3 -> L2 -> device through the controller's storage threads."""
+
+    backend: str
+    format_tag: str
+    refused_attach: str
+    refusal_left_controller_clean: bool
+    pages: int
+    stored_tokens: int
+    hit_tokens: int
+    fetched_tokens: int
+
+
+class Verdict(Restore, kw_only=True, forbid_unknown_fields=True):
+    """What one e2e run of a (mode, setup) found: written as one JSON line by
+    ``main``, read by ``run_modes``, ``check --e2e`` and the tests. A run that
+    raised has ``error``; one without a GPU, ``skipped``."""
+
+    mode: str
+    setup: str = "kv"
+    error: str | None = None
+    skipped: str | None = None
+    seq_lens: list[int] = []
+    geometry: str = ""
+    host_classes: dict[str, str] = {}
+    host_class: str = ""
+    layers: int = 0
+    write_path: str = ""
+    quantized_within_error: bool = False
+    restored_sha256: str = ""
+    l3: L3Trip | None = None
+
+    @property
+    def key(self) -> str:
+        """How ``run_modes`` names it: the mode for setup ``kv``, else
+        ``setup:mode``."""
+        return self.mode if self.setup == "kv" else f"{self.setup}:{self.mode}"
+
+    @property
+    def restored_exactly(self) -> bool:
+        """Payload and scales equal, dequantized difference 0, every other
+        device page kept, and set_kv_buffer's quantization within its error."""
+        return bool(
+            self.error is None
+            and self.payload_restored
+            and self.scales_restored
+            and self.untouched_pages_kept
+            and self.dequantized_max_diff == 0.0
+            and (
+                self.quantized_within_error
+                or not self.write_path.startswith("set_kv_buffer")
+            )
+        )
 
 
 def kv_cache_dtype(setup: str) -> str:
@@ -624,7 +696,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         result["restored"] = snapshot(dst)
         restored_kv = dequantized(dst)
         diffs = [
-            (a - b).abs().nan_to_num(nan=float("inf")).max().item()
+            (a - b).abs().nan_to_num(nan=NOT_FINITE, posinf=NOT_FINITE).max().item()
             for a, b in zip(restored_kv, original_kv, strict=True)
         ]
         dst.free(stack)
@@ -908,7 +980,7 @@ def run_modes(
     l3_config: dict | None = None,
     setups: tuple[str, ...] = ("kv",),
     progress: Callable[[str], None] | None = None,
-) -> dict[str, dict]:
+) -> dict[str, Verdict]:
     """Each mode in a fresh process running every setup in ``setups``, then
     mode ours once per L3 backend in ``l3``; the verdicts by key: the mode for
     setup ``kv`` (``ours``), ``setup:mode`` for the others (``draft:ours``),
@@ -938,18 +1010,13 @@ def run_modes(
             ended = "failed" if done.returncode else "done"
             progress(f"{key}: {ended} ({time.monotonic() - started:.0f} s)")
         if done.returncode:
-            verdicts[key] = {"mode": key, "error": done.stderr.strip()[-2000:]}
+            verdicts[key] = Verdict(mode=key, error=done.stderr.strip()[-2000:])
             continue
         for line in done.stdout.strip().splitlines():
             if line.startswith("{"):
-                v = json.loads(line)
-                verdicts[key if key.startswith("ours+") else verdict_key(v)] = v
+                v = msgspec.json.decode(line, type=Verdict)
+                verdicts[key if key.startswith("ours+") else v.key] = v
     return verdicts
-
-
-def verdict_key(verdict: dict) -> str:
-    setup = verdict.get("setup", "kv")
-    return verdict["mode"] if setup == "kv" else f"{setup}:{verdict['mode']}"
 
 
 def run_setups(mode: str, setups, l3: str | None = None, device: str = "cuda"):
@@ -959,14 +1026,10 @@ def run_setups(mode: str, setups, l3: str | None = None, device: str = "cuda"):
 
     for setup in setups:
         try:
-            yield run(mode, l3, setup, device)
+            yield msgspec.convert(run(mode, l3, setup, device), Verdict)
         except Exception as exc:
             traceback.print_exc()
-            yield {
-                "mode": mode,
-                "setup": setup,
-                "error": f"{type(exc).__name__}: {exc}",
-            }
+            yield Verdict(mode=mode, setup=setup, error=f"{type(exc).__name__}: {exc}")
 
 
 def main() -> None:
@@ -989,10 +1052,12 @@ def main() -> None:
     if args.l3 and (args.mode != "ours" or setups != ["kv"]):
         parser.error("--l3 needs --mode ours and --setup kv")
     if not torch.cuda.is_available():
-        print(json.dumps({"mode": args.mode, "skipped": "no CUDA GPU"}))
+        print(
+            msgspec.json.encode(Verdict(mode=args.mode, skipped="no CUDA GPU")).decode()
+        )
         return
     for verdict in run_setups(args.mode, setups, args.l3):
-        print(json.dumps(verdict), flush=True)
+        print(msgspec.json.encode(verdict).decode(), flush=True)
 
 
 if __name__ == "__main__":
