@@ -76,3 +76,9 @@ def test_setups_cover_their_layers(verdicts):
     }
     for setup in ("mamba", "mamba_fp4_mx_block16"):
         assert verdicts[_key(setup, "ours")].state_restored
+
+
+def test_every_setup_has_a_stack_builder():
+    from sglang_mxfp8_hicache.tools.e2e import STACK_BUILDERS
+
+    assert set(STACK_BUILDERS) == set(SETUPS)

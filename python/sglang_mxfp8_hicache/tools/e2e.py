@@ -270,99 +270,138 @@ def _publish(setup: str, *, hicache_ratio: float = 2.0, hicache_size: int = 0):
     )
 
 
+@dataclass
+class _StackArgs:
+    """What every stack builder is given: SGLang's cache parameters without
+    the allocator (it is built with the device pool), the controller's
+    common arguments, and the device pools' heads and recipe."""
+
+    params: dict[str, Any]
+    common: dict[str, Any]
+    pool_args: dict[str, Any]
+    kv_args: dict[str, Any]
+    hybrid_attention: dict[str, list[int]]
+    setup: str
+
+
 def _build_stack(setup: str, group, device: str) -> Stack:
-    """The device pools and the HiCache stack SGLang builds for ``setup``."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    """The device pools and the HiCache stack SGLang builds for ``setup``
+    (``STACK_BUILDERS``)."""
     from sglang.srt.runtime_context import get_serving
 
-    params = dict(
-        disable=False,
-        page_size=PAGE,
-        tp_cache_group=group,
-        attn_cp_cache_group=group,
-        attn_tp_cache_group=group,
-        pp_cache_group=group,
-    )
-    common = dict(
-        load_cache_event=threading.Event(),
-        storage_backend=None,
-        model_name=get_serving().served_model_name,
-    )
     pool_args = dict(head_num=KV_HEADS, head_dim=HEAD_DIM, device=device)
-    kv_args = dict(pool_args, kv_cache_dtype=kv_cache_dtype(setup))
-    hybrid_attention = dict(
-        full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
-        swa_attention_layer_ids=[
-            i for i in range(HYBRID_LAYERS) if i not in HYBRID_FULL_LAYERS
-        ],
+    args = _StackArgs(
+        params=dict(
+            disable=False,
+            page_size=PAGE,
+            tp_cache_group=group,
+            attn_cp_cache_group=group,
+            attn_tp_cache_group=group,
+            pp_cache_group=group,
+        ),
+        common=dict(
+            load_cache_event=threading.Event(),
+            storage_backend=None,
+            model_name=get_serving().served_model_name,
+        ),
+        pool_args=pool_args,
+        kv_args=dict(pool_args, kv_cache_dtype=kv_cache_dtype(setup)),
+        hybrid_attention=dict(
+            full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
+            swa_attention_layer_ids=[
+                i for i in range(HYBRID_LAYERS) if i not in HYBRID_FULL_LAYERS
+            ],
+        ),
+        setup=setup,
     )
-    if setup.startswith("mamba"):
-        return _build_mamba_stack(params, common, kv_args, hybrid_attention)
-    params["req_to_token_pool"] = ReqToTokenPool(
+    return STACK_BUILDERS[setup](args)
+
+
+def _request_pool(device: str):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    return ReqToTokenPool(
         size=len(SEQ_LENS),
         max_context_len=4096,
         device=device,
         enable_memory_saver=False,
     )
-    common["use_mla"] = False
-    if setup == "hybrid_swa":
-        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
-        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-        # What the configurator builds for --kv-cache-dtype mxfp8 on a
-        # hybrid SWA model (kv_cache_configurator._build_hybrid_swa_kv_pool).
-        kvcache = SWAKVPool(
-            size=DEVICE_PAGES * PAGE,
-            size_swa=SWA_DEVICE_PAGES * PAGE,
-            page_size=PAGE,
-            dtype=torch.float8_e4m3fn,
-            token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
-            **hybrid_attention,
-            **pool_args,
-        )
-        allocator = SWATokenToKVPoolAllocator(
-            kvcache.size,
-            kvcache.size_swa,
-            PAGE,
-            torch.int64,
-            device,
-            kvcache,
-            need_sort=False,
-        )
-        full_mapping, swa_mapping = assembler._swa_layer_mappings(kvcache)
-        host_group, controller = assembler.build_hybrid_swa_stack(
-            params=CacheInitParams(token_to_kv_pool_allocator=allocator, **params),
-            full_kv_pool=kvcache.full_kv_pool,
-            swa_kv_pool=kvcache.swa_kv_pool,
-            full_layer_mapping=full_mapping,
-            swa_layer_mapping=swa_mapping,
-            **common,
-        )
-        layers = [
-            DeviceLayer(kvcache.swa_kv_pool if swa else kvcache.full_kv_pool, n, space)
-            for n, swa, space in (
-                (
-                    *kvcache.layers_mapping[i],
-                    "swa" if kvcache.layers_mapping[i][1] else "kv",
-                )
-                for i in range(HYBRID_LAYERS)
+
+def _build_swa_stack(args: _StackArgs) -> Stack:
+    """Full and sliding-window MXFP8 pools through ``build_hybrid_swa_stack``."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    device = args.pool_args["device"]
+    # What the configurator builds for --kv-cache-dtype mxfp8 on a hybrid SWA
+    # model (kv_cache_configurator._build_hybrid_swa_kv_pool).
+    kvcache = SWAKVPool(
+        size=DEVICE_PAGES * PAGE,
+        size_swa=SWA_DEVICE_PAGES * PAGE,
+        page_size=PAGE,
+        dtype=torch.float8_e4m3fn,
+        token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+        **args.hybrid_attention,
+        **args.pool_args,
+    )
+    allocator = SWATokenToKVPoolAllocator(
+        kvcache.size,
+        kvcache.size_swa,
+        PAGE,
+        torch.int64,
+        device,
+        kvcache,
+        need_sort=False,
+    )
+    full_mapping, swa_mapping = assembler._swa_layer_mappings(kvcache)
+    host_group, controller = assembler.build_hybrid_swa_stack(
+        params=CacheInitParams(
+            token_to_kv_pool_allocator=allocator,
+            req_to_token_pool=_request_pool(device),
+            **args.params,
+        ),
+        full_kv_pool=kvcache.full_kv_pool,
+        swa_kv_pool=kvcache.swa_kv_pool,
+        full_layer_mapping=full_mapping,
+        swa_layer_mapping=swa_mapping,
+        use_mla=False,
+        **args.common,
+    )
+    layers = [
+        DeviceLayer(kvcache.swa_kv_pool if swa else kvcache.full_kv_pool, n, space)
+        for n, swa, space in (
+            (
+                *kvcache.layers_mapping[i],
+                "swa" if kvcache.layers_mapping[i][1] else "kv",
             )
-        ]
-        return Stack(
-            host_group,
-            controller,
-            kvcache,
-            layers,
-            {"kv": allocator.full_attn_allocator, "swa": allocator.swa_attn_allocator},
+            for i in range(HYBRID_LAYERS)
         )
-    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **kv_args)
+    ]
+    return Stack(
+        host_group,
+        controller,
+        kvcache,
+        layers,
+        {"kv": allocator.full_attn_allocator, "swa": allocator.swa_attn_allocator},
+    )
+
+
+def _build_kv_stack(args: _StackArgs) -> Stack:
+    """The plain KV stack through ``build_kv_only_stack``; ``draft`` packs
+    ``DRAFTS`` one-layer MTP pools into it."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    device = args.pool_args["device"]
+    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **args.kv_args)
     drafts = tuple(
-        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **kv_args)
-        for _ in range(DRAFTS if setup == "draft" else 0)
+        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **args.kv_args)
+        for _ in range(DRAFTS if args.setup == "draft" else 0)
     )
     allocator = PagedTokenToKVPoolAllocator(
         kv_pool.size, PAGE, torch.int64, device, kv_pool, need_sort=False
@@ -370,33 +409,41 @@ def _build_stack(setup: str, group, device: str) -> Stack:
     host_group, controller = assembler.build_kv_only_stack(
         params=CacheInitParams(
             token_to_kv_pool_allocator=allocator,
+            req_to_token_pool=_request_pool(device),
             mtp_draft_device_pools=drafts,
-            **params,
+            **args.params,
         ),
         kv_pool=kv_pool,
         full_layer_mapping={i: i for i in range(LAYERS)},
-        **common,
+        use_mla=False,
+        **args.common,
     )
     layers = [DeviceLayer(kv_pool, i) for i in range(LAYERS)]
     layers += [DeviceLayer(d, 0) for d in drafts]
-    stack = Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
-    if setup == "sidecar_draft":
-        from types import SimpleNamespace
+    return Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
 
-        draft = build_device_pool(layer_num=2, pages=DEVICE_PAGES, **pool_args)
-        # What maybe_register_hicache_draft does for a draft runner's pool.
-        _, entries = assembler.build_hicache_draft_sidecars(
-            draft_device_pools=(draft,),
-            tree_cache=SimpleNamespace(cache_controller=controller),
-        )
-        for entry in entries:
-            controller.register_host_pool_entry(entry)
-        stack.layers += [DeviceLayer(draft, i) for i in range(draft.layer_num)]
-        stack.sidecars = tuple(entry.name.value for entry in entries)
+
+def _build_sidecar_stack(args: _StackArgs) -> Stack:
+    """The plain KV stack and a two-layer draft pool registered as SGLang's
+    sidecar, as ``maybe_register_hicache_draft`` does for a draft runner."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    stack = _build_kv_stack(args)
+    draft = build_device_pool(layer_num=2, pages=DEVICE_PAGES, **args.pool_args)
+    _, entries = assembler.build_hicache_draft_sidecars(
+        draft_device_pools=(draft,),
+        tree_cache=SimpleNamespace(cache_controller=stack.controller),
+    )
+    for entry in entries:
+        stack.controller.register_host_pool_entry(entry)
+    stack.layers += [DeviceLayer(draft, i) for i in range(draft.layer_num)]
+    stack.sidecars = tuple(entry.name.value for entry in entries)
     return stack
 
 
-def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
+def _build_mamba_stack(args: _StackArgs) -> Stack:
     """What the scheduler builds for a hybrid Mamba model with a block-scaled
     KV cache: its request pool with the Mamba state pool, a HybridLinearKVPool
     over MHATokenToKVPoolMXFP8, or over MHATokenToKVPool with the FP4 quant
@@ -415,13 +462,13 @@ def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
     )
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    pool_args = dict(kv_args)
+    pool_args = dict(args.kv_args)
     name, device = pool_args.pop("kv_cache_dtype"), pool_args["device"]
-    full_layers = hybrid_attention["full_attention_layer_ids"]
+    full_layers = args.hybrid_attention["full_attention_layer_ids"]
     recipe = device_pool_recipe(
         name, layer_num=len(full_layers), page_size=PAGE, device=device
     )
-    mamba_layers = hybrid_attention["swa_attention_layer_ids"]
+    mamba_layers = args.hybrid_attention["swa_attention_layer_ids"]
     req_to_token_pool = HybridReqToTokenPool(
         size=len(SEQ_LENS),
         mamba_size=MAMBA_SLOTS,
@@ -455,10 +502,10 @@ def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
     allocator = PagedTokenToKVPoolAllocator(
         kvcache.size, PAGE, torch.int64, device, kvcache, need_sort=False
     )
-    params = CacheInitParams(
+    init_params = CacheInitParams(
         token_to_kv_pool_allocator=allocator,
         req_to_token_pool=req_to_token_pool,
-        **params,
+        **args.params,
     )
     strategy = assembler._select_strategy(
         kvcache, {ComponentType.FULL, ComponentType.MAMBA}
@@ -466,9 +513,9 @@ def _build_mamba_stack(params, common, kv_args, hybrid_attention) -> Stack:
     built = strategy.build(
         cache=SimpleNamespace(evict_host=lambda n, component: 0),
         kvcache=kvcache,
-        params=params,
+        params=init_params,
         server_args=None,
-        **common,
+        **args.common,
     )
     counter = built.cache_controller.layer_done_counter
     kvcache.register_layer_transfer_counter(counter)
@@ -920,6 +967,20 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
         "fetched_tokens": fetched_tokens,
         **judged,
     }
+
+
+STACK_BUILDERS: dict[str, Callable[[_StackArgs], Stack]] = {
+    "kv": _build_kv_stack,
+    "draft": _build_kv_stack,
+    "sidecar_draft": _build_sidecar_stack,
+    "layer_first": _build_kv_stack,
+    "hybrid_swa": _build_swa_stack,
+    "mamba": _build_mamba_stack,
+    **{name: _build_kv_stack for name in FP4_FORMAT_NAMES},
+    "mamba_fp4_mx_block16": _build_mamba_stack,
+}
+"""How each of ``SETUPS`` is built (``layer_first``: the host layout is the
+published flag)."""
 
 
 def _quant_method(pool):
