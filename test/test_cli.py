@@ -651,8 +651,8 @@ def test_check_require_gpu(monkeypatch, capsys, flags, code):
 
 
 def test_bench_plot_from_json(tmp_path, capsys):
-    """``bench --plot`` draws the committed runs' JSON, no GPU needed."""
-    pytest.importorskip("matplotlib")
+    """``bench --plot`` draws the committed runs' JSON, no GPU needed (the test
+    extra brings matplotlib)."""
     data = Path(__file__).parent.parent / "docs" / "data"
     sources = ",".join(str(data / f"bench-h200-{n}.json") for n in ("mxfp8", "fp4"))
     out = tmp_path / "plot.png"
