@@ -347,3 +347,31 @@ def test_old_error_name_still_catches():
     from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError as exported
 
     assert MXFP8HiCacheConfigError is BlockScaledHiCacheConfigError is exported
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_flag_refusals_leave_mla_models_alone(monkeypatch, mla):
+    """An MLA model keeps SGLang's own host pool, so the table (about ours)
+    does not stop it; an MHA model with the same flags is stopped."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(plugin, "_uses_mla_pool", lambda args, path: mla)
+    view = SimpleNamespace(
+        enable_hierarchical_cache=True,
+        kv_cache_dtype="mxfp8",
+        model_path="/models/any",
+        page_size=64,
+        hicache_mem_layout="page_first",
+        hicache_io_backend="kernel",
+        hicache_storage_backend=None,
+        hicache_storage_backend_extra_config={"a": 1},
+        disaggregation_decode_host_receive_threshold=None,
+    )
+    monkeypatch.setattr(
+        "sglang.srt.arg_groups.overrides.resolving_view", lambda args: view
+    )
+    if mla:
+        assert plugin.refuse_unserved_flags("result", object()) == "result"
+    else:
+        with pytest.raises(ValueError, match="set --page-size 128"):
+            plugin.refuse_unserved_flags("result", object())

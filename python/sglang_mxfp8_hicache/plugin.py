@@ -207,13 +207,30 @@ def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: A
     from sglang_mxfp8_hicache.refusals import HiCacheFlags, refusal
 
     view = resolving_view(server_args)
-    if view.enable_hierarchical_cache and view.kv_cache_dtype in FORMATS:
+    if (
+        view.enable_hierarchical_cache
+        and view.kv_cache_dtype in FORMATS
+        and not _uses_mla_pool(server_args, view.model_path)
+    ):
         reason = refusal(HiCacheFlags.from_server_args(view))
         if reason is not None:
             raise BlockScaledHiCacheConfigError(
                 f"{view.kv_cache_dtype} HiCache: {reason}"
             )
     return result
+
+
+def _uses_mla_pool(server_args: Any, model_path: str) -> bool:
+    """Whether SGLang gives the model an MLA pool, which keeps SGLang's own host
+    pool (the table is about ours); False without a model to read."""
+    if str(model_path).lower() in ("dummy", "none"):
+        return False
+    try:
+        from sglang.srt.arg_groups.model_override_base import use_mla_backend
+
+        return bool(use_mla_backend(server_args))
+    except Exception:  # the model is SGLang's to report on; the pool checks again
+        return False
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -51,19 +51,21 @@ class HiCacheFlags:
     @classmethod
     def from_server_args(cls, args: Any) -> HiCacheFlags:
         """From a resolved ``ServerArgs`` (or its resolving view)."""
-        text = args.hicache_storage_backend_extra_config
-        try:
-            extra_config = json.loads(text) if text else {}
-        except ValueError:
-            extra_config = None  # SGLang's own parser reports it
+        extra_config = args.hicache_storage_backend_extra_config
+        if not isinstance(extra_config, dict):
+            try:
+                extra_config = json.loads(extra_config) if extra_config else {}
+            except (TypeError, ValueError):
+                extra_config = None  # SGLang's own parser reports it
+        threshold = args.disaggregation_decode_host_receive_threshold
         return cls(
             kv_cache_dtype=args.kv_cache_dtype,
             page_size=args.page_size,
             mem_layout=args.hicache_mem_layout,
-            io_backend=args.hicache_io_backend,
+            io_backend=args.hicache_io_backend or "kernel",
             storage_backend=args.hicache_storage_backend,
             storage_extra_config=extra_config,
-            decode_host_receive=args.disaggregation_decode_host_receive_threshold < 1,
+            decode_host_receive=threshold is not None and threshold < 1,
         )
 
 
