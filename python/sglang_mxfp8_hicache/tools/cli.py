@@ -1,10 +1,12 @@
 """``sglang-mxfp8-hicache``: check the install, size the host tier, time transfers.
 
-- ``check [--json] [--e2e]``: plugin, hook and dispatch, sizing and, on CUDA, a
-  round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache controller);
-- ``size``: host-tier bytes and tokens per rank, with and without the scales;
+- ``check [--json] [--e2e] [--require-gpu]``: plugin, hook and dispatch, sizing
+  and, on CUDA, a round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache
+  controller);
+- ``size``: each host pool SGLang builds for the model (read through its
+  ``ModelConfig``), per rank and per node, with and without the scales;
 - ``bench [--check] [--setup NAME,...]``: host pool transfer times on one
-  CUDA GPU;
+  CUDA GPU; ``bench --plot PNG --from JSON,...``: the plot of earlier runs;
   ``bench --l3 file|hf3fs|nixl|mooncake|seaweedfs``: L3 put and get of MXFP8
   pages against payload-only pages (``tools/bench_l3.py``).
 
