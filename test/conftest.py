@@ -160,11 +160,7 @@ def seaweedfs():
         seaweedfs_available,
     )
 
-    reason = seaweedfs_available()
-    if reason is not None:
-        pytest.skip(f"SeaweedFS unavailable: {reason}")
-    with SeaweedFSLoopback() as service:
-        yield service
+    yield from _loopback_service("SeaweedFS", seaweedfs_available, SeaweedFSLoopback)
 
 
 @pytest.fixture(scope="session")
@@ -180,8 +176,14 @@ def mooncake():
         mooncake_available,
     )
 
-    reason = mooncake_available()
+    yield from _loopback_service("Mooncake", mooncake_available, MooncakeLoopback)
+
+
+def _loopback_service(name, available, service_class):
+    """The service of a session fixture, started for the session; the test
+    skips, saying why, where it cannot run here."""
+    reason = available()
     if reason is not None:
-        pytest.skip(f"Mooncake unavailable: {reason}")
-    with MooncakeLoopback() as service:
+        pytest.skip(f"{name} unavailable: {reason}")
+    with service_class() as service:
         yield service

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_mxfp8_hicache.geometry import FORMATS, INTERLEAVED_PAGE_SIZE
-from sglang_mxfp8_hicache.storage import NO_STORAGE, nixl_direct_io, storage_refusal
+from sglang_mxfp8_hicache.storage import NO_STORAGE, storage_refusal
 
 SERVED_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
 """Host layouts SGLang offers for MHA pools, all served: ``page_head`` by the
@@ -77,15 +77,12 @@ class Refusal:
 
 
 def _storage_reason(flags: HiCacheFlags) -> str | None:
-    backend = flags.storage_backend or NO_STORAGE
     return storage_refusal(
-        backend,
+        flags.storage_backend or NO_STORAGE,
         flags.kv_cache_dtype,
         sealed=flags.mem_layout != HEADS_MAJOR_LAYOUT,
         symmetric=flags.symmetric,
-        direct_io=backend == "nixl"
-        and flags.storage_extra_config is not None
-        and nixl_direct_io(flags.storage_extra_config),
+        extra_config=flags.storage_extra_config,
     )
 
 

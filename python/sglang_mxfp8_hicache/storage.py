@@ -131,12 +131,13 @@ def storage_refusal(
     *,
     sealed: bool = True,
     symmetric: bool = True,
-    direct_io: bool = False,
+    extra_config: dict | None = None,
 ) -> str | None:
     """Why ``backend`` cannot carry ``fmt_name`` pages (with seals if
-    ``sealed``; K and V parts of one size if ``symmetric``; through O_DIRECT
-    files if ``direct_io``), or None if it can."""
-    if backend == "nixl" and direct_io:
+    ``sealed``; K and V parts of one size if ``symmetric``; configured by
+    ``extra_config``, where None means not known: NIXL's O_DIRECT is then not
+    judged), or None if it can."""
+    if backend == "nixl" and extra_config is not None and nixl_direct_io(extra_config):
         return (
             f"--hicache-storage-backend nixl cannot store {fmt_name} pages with "
             "O_DIRECT: it moves whole page parts, and a part of these pages (its "
@@ -191,8 +192,7 @@ def guard_storage_backend(
         name,
         sealed=bool(page.seal_bytes),
         symmetric=page.k_part.span_bytes == page.v_part.span_bytes,
-        direct_io=backend_name == "nixl"
-        and nixl_direct_io(storage_config.extra_config),
+        extra_config=storage_config.extra_config or {},
     )
     if reason is not None:
         raise BlockScaledHiCacheConfigError(

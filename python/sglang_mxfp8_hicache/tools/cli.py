@@ -694,33 +694,30 @@ def finite_non_negative(text: str) -> float:
     return value
 
 
-def device_token_count(text: str) -> int:
-    value = positive_int(text)
-    if value > MAX_DEVICE_TOKENS:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_DEVICE_TOKENS} tokens, got {text}"
-        )
+def _at_most(value: float, bound: float, unit: str, text: str):
+    """``value``, parsed from ``text``, unless it is past ``bound``: larger is a
+    typo, not a plan."""
+    if value > bound:
+        raise argparse.ArgumentTypeError(f"must be at most {bound} {unit}, got {text}")
     return value
+
+
+def device_token_count(text: str) -> int:
+    return _at_most(positive_int(text), MAX_DEVICE_TOKENS, "tokens", text)
 
 
 def hicache_size_gb(text: str) -> int:
     """SGLang's --hicache-size is an integer number of GB."""
-    value = non_negative_int(text)
-    if value > MAX_HICACHE_SIZE_GB:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_HICACHE_SIZE_GB} GB per rank, got {text}"
-        )
-    return value
+    return _at_most(non_negative_int(text), MAX_HICACHE_SIZE_GB, "GB per rank", text)
 
 
 def hicache_ratio(text: str) -> float:
-    value = finite_non_negative(text)
-    if value > MAX_HICACHE_RATIO:
-        raise argparse.ArgumentTypeError(
-            f"must be at most {MAX_HICACHE_RATIO} host tokens per device token, "
-            f"got {text}"
-        )
-    return value
+    return _at_most(
+        finite_non_negative(text),
+        MAX_HICACHE_RATIO,
+        "host tokens per device token",
+        text,
+    )
 
 
 def unit_fraction(text: str) -> float:
