@@ -45,7 +45,7 @@ def make_pools(device, request):
     """Builds a block-scaled device pool of ``2 * pages + 1`` pages and a host pool of
     three quarters of it on ``device``; destroys the host pools afterwards."""
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.selfcheck import (
+    from sglang_mxfp8_hicache.tools.pools import (
         build_device_pool,
         build_host_pool,
         device_buffers,
@@ -117,7 +117,7 @@ def hf3fs_metadata_server():
     import time
     import urllib.request
 
-    from sglang_mxfp8_hicache.tools.loopback import die_with_parent, free_ports
+    from mooncake_loopback import die_with_parent, free_ports
 
     [port] = free_ports(1)
     url = f"http://127.0.0.1:{port}"
@@ -154,8 +154,8 @@ def hf3fs_metadata_server():
 @pytest.fixture(scope="session")
 def seaweedfs():
     """A SeaweedFS server with its S3 gateway on 127.0.0.1 for the session
-    (``tools.seaweedfs_loopback``)."""
-    from sglang_mxfp8_hicache.tools.seaweedfs_loopback import (
+    (``test/seaweedfs_loopback.py``)."""
+    from seaweedfs_loopback import (
         SeaweedFSLoopback,
         seaweedfs_available,
     )
@@ -166,12 +166,12 @@ def seaweedfs():
 @pytest.fixture(scope="session")
 def mooncake():
     """A real Mooncake master and storage node on 127.0.0.1 for the session
-    (``tools.mooncake_loopback``); skips where Mooncake cannot run.
+    (``test/mooncake_loopback.py``); skips where Mooncake cannot run.
 
     Pass ``mooncake.extra_config()`` as the storage config's ``extra_config``:
     the test's client then holds no segment and every byte crosses TCP.
     """
-    from sglang_mxfp8_hicache.tools.mooncake_loopback import (
+    from mooncake_loopback import (
         MooncakeLoopback,
         mooncake_available,
     )

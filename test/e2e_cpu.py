@@ -1,11 +1,11 @@
-"""``tools.e2e`` on the CPU: SGLang's assembler, controller and transfer engine
+"""``test/e2e.py`` on the CPU: SGLang's assembler, controller and transfer engine
 run for real, the kernels are the emulations of ``kernel_emulation`` and pinned
 host memory is plain memory.
 
     python test/e2e_cpu.py MODE SETUP[,SETUP...] [L3_BACKEND]
 
 One process per mode, since the plugin hook is process-wide; prints one JSON
-verdict per setup, as ``python -m sglang_mxfp8_hicache.tools.e2e`` does on a GPU.
+verdict per setup, as ``python test/e2e.py`` does on a GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import msgspec
 import pytest
 
-from sglang_mxfp8_hicache.tools.e2e import Verdict
+from e2e import Verdict
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -28,11 +28,11 @@ def run_cpu(
     modes, setups, timeout: float = 600, l3: str | None = None, l3_config=None
 ) -> dict[str, Verdict]:
     """``main`` in a fresh process per mode; the verdicts keyed as
-    ``tools.e2e.run_modes`` keys them. ``l3``: then through that L3 backend,
+    ``e2e.run_modes`` keys them. ``l3``: then through that L3 backend,
     with ``l3_config`` as its extra config where it needs one."""
     import subprocess
 
-    from sglang_mxfp8_hicache.tools.e2e import L3_CONFIG_ENV
+    from e2e import L3_CONFIG_ENV
 
     env = dict(os.environ)
     if l3_config is not None:
@@ -76,7 +76,7 @@ def assert_control_loses_scales(verdict: Verdict) -> None:
 
 
 def main() -> None:
-    from sglang_mxfp8_hicache.tools.e2e import run_setups
+    from e2e import run_setups
 
     mode, setups = sys.argv[1], sys.argv[2].split(",")
     l3 = sys.argv[3] if len(sys.argv) > 3 else None

@@ -598,7 +598,7 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
 
 def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     """``install_emulation`` for whole stacks that SGLang's assembler builds
-    (``tools.e2e`` on the CPU): every block-scaled device pool and host pool
+    (``test/e2e.py`` on the CPU): every block-scaled device pool and host pool
     registers its buffers with the pointer map as it is built, and pinned
     host memory is plain memory (no cudaHostRegister on a CPU-only torch)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
@@ -606,7 +606,7 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     from sglang_mxfp8_hicache import host_pool
-    from sglang_mxfp8_hicache.tools.selfcheck import device_buffers
+    from sglang_mxfp8_hicache.tools.pools import device_buffers
 
     kernels = install_emulation(monkeypatch)
     mamba_kernels = EmulatedMambaKernels(kernels.pointers)

@@ -24,9 +24,9 @@ def planned(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
     """``size``'s plan for the model the e2e stack of ``setup`` stands for."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
+    import e2e
     from sglang_mxfp8_hicache.geometry import FORMATS
     from sglang_mxfp8_hicache.sizing import KVPool, ModelKV, host_plan
-    from sglang_mxfp8_hicache.tools import e2e
 
     heads, dim = e2e.KV_HEADS, e2e.HEAD_DIM
     full = len(e2e.HYBRID_FULL_LAYERS)
@@ -76,13 +76,14 @@ def built(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
     import torch.distributed as dist
     from sglang.srt.plugins import load_plugins
 
+    import e2e
+    from mooncake_loopback import free_ports
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools import e2e
 
     load_plugins()
     e2e._publish(setup, hicache_ratio=ratio, hicache_size=size_gb)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{e2e._free_port()}", world_size=1, rank=0
+        "gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", world_size=1, rank=0
     )
     stack = e2e._build_stack(setup, dist.group.WORLD, "cpu")
     return {

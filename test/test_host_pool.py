@@ -18,7 +18,7 @@ from sglang_mxfp8_hicache.host_pool import (
     MHATokenToKVPoolMXFP8Host,
 )
 from sglang_mxfp8_hicache.sizing import dense_model, host_plan
-from sglang_mxfp8_hicache.tools.selfcheck import (
+from sglang_mxfp8_hicache.tools.pools import (
     build_device_pool,
     build_host_pool,
     fp4_quant_method,
@@ -406,7 +406,7 @@ def test_half_built_pool_unregisters_pinned_pages(monkeypatch):
 def _fp4_pool(name, *, heads=8, layers=2, pages=2, page_size=128, **method):
     """SGLang's FP4 pool for ``name``; ``method`` (``backends``, nvfp4's
     ``native_scale_layout``) configures its quant method as a server would
-    (default: selfcheck's FlashInfer)."""
+    (default: tools.pools' FlashInfer)."""
     return build_device_pool(
         head_num=heads,
         head_dim=128,

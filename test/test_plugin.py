@@ -1,6 +1,6 @@
 """Dispatch through SGLang's real plugin loading, in fresh processes.
 
-The probe module builds real device pools and asks both names of
+``test/probe.py`` builds real device pools and asks both names of
 ``get_mha_host_pool_cls`` after ``sglang.srt.plugins.load_plugins()``.
 """
 
@@ -26,7 +26,7 @@ def run_dispatch(order: str, **env: str) -> tuple[dict[str, str], str]:
     environ = {**os.environ, **env}
     environ.pop("SGLANG_PLUGINS", None)
     done = subprocess.run(
-        [sys.executable, "-m", "sglang_mxfp8_hicache.tools.probe"]
+        [sys.executable, os.path.join(os.path.dirname(__file__), "probe.py")]
         + (["--assembler-first"] if order == "assembler_first" else []),
         capture_output=True,
         text=True,
@@ -125,8 +125,8 @@ def test_register_skips_unsupported_sglang(
 
 
 def _buffer_info(**pool):
-    """The buffer info of a small CPU device pool (``selfcheck.build_device_pool``)."""
-    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
+    """The buffer info of a small CPU device pool (``tools.pools.build_device_pool``)."""
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
     device_pool = build_device_pool(
         head_num=2, head_dim=128, layer_num=1, pages=1, device="cpu", **pool

@@ -1,5 +1,5 @@
 """Issue 11's setups through SGLang's real assembler, HybridCacheController and
-transfer engine (``tools.e2e``), on the CPU with the kernels emulated; the same
+transfer engine (``test/e2e.py``), on the CPU with the kernels emulated; the same
 runs with the real kernels are in ``test_e2e_gpu``.
 
 ``draft``: two packed MTP/NextN draft layers (``is_draft`` loads after target
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import pytest
 
+from e2e import SETUPS
 from e2e_cpu import assert_control_loses_scales, assert_exact, run_cpu
-from sglang_mxfp8_hicache.tools.e2e import SETUPS
 
 OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 
@@ -76,9 +76,3 @@ def test_setups_cover_their_layers(verdicts):
     }
     for setup in ("mamba", "mamba_fp4_mx_block16"):
         assert verdicts[_key(setup, "ours")].state_restored
-
-
-def test_every_setup_has_a_stack_builder():
-    from sglang_mxfp8_hicache.tools.e2e import STACK_BUILDERS
-
-    assert set(STACK_BUILDERS) == set(SETUPS)

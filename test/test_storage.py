@@ -41,7 +41,7 @@ from sglang_mxfp8_hicache.tools.l3 import (
     local_backend,
     page_hashes,
 )
-from sglang_mxfp8_hicache.tools.selfcheck import (
+from sglang_mxfp8_hicache.tools.pools import (
     PAGE_SIZE,
     build_device_pool,
     build_host_pool,
@@ -949,7 +949,7 @@ def test_bad_page_is_a_miss_mooncake_backend_error(make_pools, storage_hooks, mo
     fails inside Mooncake, nothing arrives, and no host byte changes."""
     import signal
 
-    from sglang_mxfp8_hicache.tools.mooncake_loopback import MooncakeLoopback
+    from mooncake_loopback import MooncakeLoopback
 
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=4)
     with MooncakeLoopback() as service:
@@ -1057,7 +1057,7 @@ def test_page_head_page_of_another_head_count_is_a_miss(
     "l3", ["file", "hf3fs", "nixl", "seaweedfs", "mooncake", "dynamic", "dynamic_v1"]
 )
 def test_controller_attach_round_trip_detach(l3, request):
-    """SGLang's admin path on the CPU (``tools.e2e`` with the kernel
+    """SGLang's admin path on the CPU (``test/e2e.py`` with the kernel
     emulations, in a fresh process): ``attach_storage_backend`` of a refused
     backend leaves the controller as it was; then the backend is attached,
     host pages go to L3 through the backup thread, are evicted and their host

@@ -22,7 +22,7 @@ from sglang_mxfp8_hicache.host_pool import (
     load_layer_groups,
 )
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
-from sglang_mxfp8_hicache.tools.selfcheck import (
+from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
     PayloadOnlyHost,
     device_buffers,

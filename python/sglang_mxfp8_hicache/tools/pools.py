@@ -1,10 +1,12 @@
-"""A byte-exact L2 round trip on SGLang's real MXFP8 device pool, for `check` and the tests.
+"""Pools built as SGLang builds them, and a byte-exact L2 round trip over them.
 
-Random bytes (0xFF included) in every device and host byte, permuted page ids,
-then: back pages up to the host, overwrite the whole device, load them into
-other device pages layer by layer, and compare payload and scales with what was
-saved, and every page outside the transfer with what it held before.
-"""
+Device pools of every block-scaled ``--kv-cache-dtype``, host pools as the
+assembler makes them, the payload-only control, the index helpers a transfer
+needs, and :func:`round_trip` (``check`` on a GPU, and the tests): random
+bytes (0xFF included) in every device and host byte, permuted page ids, then
+back pages up to the host, overwrite the whole device, load them into other
+device pages layer by layer, and compare payload and scales with what was
+saved, and every page outside the transfer with what it held before."""
 
 from __future__ import annotations
 
@@ -21,27 +23,6 @@ if TYPE_CHECKING:
 
 PAGE_SIZE = 128
 IO_BACKEND = "kernel"
-
-
-@dataclass(frozen=True)
-class RoundTripResult:
-    pages: int
-    payload_restored: bool
-    scales_restored: bool
-    host_untouched: bool
-    device_untouched: bool
-    bytes_per_direction: int
-    backup_seconds: float
-    load_seconds: float
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.payload_restored
-            and self.scales_restored
-            and self.host_untouched
-            and self.device_untouched
-        )
 
 
 def build_device_pool(
@@ -237,16 +218,6 @@ def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None
         )
 
 
-def _device_pages(
-    pool: MHATokenToKVPoolMXFP8, tensors: list[torch.Tensor]
-) -> list[torch.Tensor]:
-    """Each tensor as [page, bytes] rows on the CPU (the pool holds size + 1 pages)."""
-    page_num = pool.size // pool.page_size + 1
-    return [
-        t.view(torch.uint8).reshape(page_num, -1).to("cpu", copy=True) for t in tensors
-    ]
-
-
 def page_token_indices(pages: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
     offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
     return (pages[:, None] * page_size + offsets).reshape(-1)
@@ -268,6 +239,37 @@ def backup_host_indices(
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     torch.get_device_module(device).synchronize()
+
+
+@dataclass(frozen=True)
+class RoundTripResult:
+    pages: int
+    payload_restored: bool
+    scales_restored: bool
+    host_untouched: bool
+    device_untouched: bool
+    bytes_per_direction: int
+    backup_seconds: float
+    load_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.payload_restored
+            and self.scales_restored
+            and self.host_untouched
+            and self.device_untouched
+        )
+
+
+def _device_pages(
+    pool: MHATokenToKVPoolMXFP8, tensors: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Each tensor as [page, bytes] rows on the CPU (the pool holds size + 1 pages)."""
+    page_num = pool.size // pool.page_size + 1
+    return [
+        t.view(torch.uint8).reshape(page_num, -1).to("cpu", copy=True) for t in tensors
+    ]
 
 
 def round_trip(

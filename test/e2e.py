@@ -2,9 +2,9 @@
 
 One mode per process, because the plugin hook is process-wide:
 
-    python -m sglang_mxfp8_hicache.tools.e2e --mode ours     # the plugin picks our class
-    python -m sglang_mxfp8_hicache.tools.e2e --mode sglang   # plugin disabled: SGLang's own class
-    python -m sglang_mxfp8_hicache.tools.e2e --mode plain    # payload-only MHATokenToKVPoolHost (0.5.16-0.5.20)
+    python test/e2e.py --mode ours     # the plugin picks our class
+    python test/e2e.py --mode sglang   # plugin disabled: SGLang's own class
+    python test/e2e.py --mode plain    # payload-only MHATokenToKVPoolHost (0.5.16-0.5.20)
 
 Each builds what the scheduler builds for ``--kv-cache-dtype mxfp8
 --enable-hierarchical-cache`` (a published ServerArgs, a gloo group of size 1,
@@ -34,10 +34,8 @@ import argparse
 import hashlib
 import json
 import os
-import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,10 +43,11 @@ from typing import Any
 import msgspec
 import torch
 
+from mooncake_loopback import HOST, free_ports
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
 from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, LocalBackend, local_backend
-from sglang_mxfp8_hicache.tools.selfcheck import PAGE_SIZE as PAGE
-from sglang_mxfp8_hicache.tools.selfcheck import (
+from sglang_mxfp8_hicache.tools.pools import PAGE_SIZE as PAGE
+from sglang_mxfp8_hicache.tools.pools import (
     PayloadOnlyHost,
     build_device_pool,
     device_buffers,
@@ -63,30 +62,14 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
 MODES = ("ours", "sglang", "plain")
-SETUPS = (
-    "kv",
-    "draft",
-    "sidecar_draft",
-    "layer_first",
-    "hybrid_swa",
-    "mamba",
-    *FP4_FORMAT_NAMES,
-    "mamba_fp4_mx_block16",
-)
-"""``kv``: the plain KV stack; ``draft``: two packed MTP/NextN draft layers;
-``sidecar_draft``: a two-layer draft (EAGLE3, standalone) in its own host pool,
-registered as SGLang's sidecar (``build_hicache_draft_sidecars``), its indices
-those of the KV pool; ``layer_first``: that host layout; ``hybrid_swa``: full and sliding-window
-MXFP8 pools through ``build_hybrid_swa_stack``; ``mamba``: an MXFP8 full
-attention pool beside Mamba2 state through ``build_hybrid_mamba_stack``. The
-hybrids have 8 layers, full attention at 3 and 7, as their models interleave.
-``fp4_mx_block16``, ``nvfp4``: the plain KV stack of that FP4 KV cache;
-``mamba_fp4_mx_block16``: ``mamba`` with an fp4_mx_block16 full attention pool
-(the configurator passes the FP4 quant method to ``HybridLinearKVPool``). Every
-other setup is MXFP8. nvfp4's quantizer needs Blackwell, so on Hopper and the
-CPU its pages are random bytes (the verdict's ``write_path`` says so)."""
 DRAFTS = 2
 HYBRID_LAYERS, HYBRID_FULL_LAYERS = 8, (3, 7)
+HYBRID_ATTENTION = dict(
+    full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
+    swa_attention_layer_ids=[
+        i for i in range(HYBRID_LAYERS) if i not in HYBRID_FULL_LAYERS
+    ],
+)
 SWA_DEVICE_PAGES = 24
 MAMBA_SLOTS = 2 * len(SEQ_LENS)
 # Mamba2 state, small: conv (96, 3) bf16, temporal (4, 16, 16) fp32 per layer.
@@ -106,12 +89,6 @@ mooncake and seaweedfs (a running service) and dynamic (the class); file,
 hf3fs and nixl run locally without it (``tools.l3.local_backend``)."""
 REFUSED_ATTACH = "sim"
 L3_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -166,6 +143,7 @@ class Stack:
 
 
 NOT_FINITE = torch.finfo(torch.float32).max
+"""What a non-finite dequantized difference counts as: JSON has no infinity."""
 
 
 class Restore(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -280,7 +258,6 @@ class _StackArgs:
     common: dict[str, Any]
     pool_args: dict[str, Any]
     kv_args: dict[str, Any]
-    hybrid_attention: dict[str, list[int]]
     setup: str
 
 
@@ -306,12 +283,6 @@ def _build_stack(setup: str, group, device: str) -> Stack:
         ),
         pool_args=pool_args,
         kv_args=dict(pool_args, kv_cache_dtype=kv_cache_dtype(setup)),
-        hybrid_attention=dict(
-            full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
-            swa_attention_layer_ids=[
-                i for i in range(HYBRID_LAYERS) if i not in HYBRID_FULL_LAYERS
-            ],
-        ),
         setup=setup,
     )
     return STACK_BUILDERS[setup](args)
@@ -326,6 +297,39 @@ def _request_pool(device: str):
         device=device,
         enable_memory_saver=False,
     )
+
+
+def _build_kv_stack(args: _StackArgs) -> Stack:
+    """The plain KV stack through ``build_kv_only_stack``; ``draft`` packs
+    ``DRAFTS`` one-layer MTP pools into it."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    device = args.pool_args["device"]
+    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **args.kv_args)
+    drafts = tuple(
+        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **args.kv_args)
+        for _ in range(DRAFTS if args.setup == "draft" else 0)
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        kv_pool.size, PAGE, torch.int64, device, kv_pool, need_sort=False
+    )
+    host_group, controller = assembler.build_kv_only_stack(
+        params=CacheInitParams(
+            token_to_kv_pool_allocator=allocator,
+            req_to_token_pool=_request_pool(device),
+            mtp_draft_device_pools=drafts,
+            **args.params,
+        ),
+        kv_pool=kv_pool,
+        full_layer_mapping={i: i for i in range(LAYERS)},
+        use_mla=False,
+        **args.common,
+    )
+    layers = [DeviceLayer(kv_pool, i) for i in range(LAYERS)]
+    layers += [DeviceLayer(d, 0) for d in drafts]
+    return Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
 
 
 def _build_swa_stack(args: _StackArgs) -> Stack:
@@ -345,7 +349,7 @@ def _build_swa_stack(args: _StackArgs) -> Stack:
         page_size=PAGE,
         dtype=torch.float8_e4m3fn,
         token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
-        **args.hybrid_attention,
+        **HYBRID_ATTENTION,
         **args.pool_args,
     )
     allocator = SWATokenToKVPoolAllocator(
@@ -390,39 +394,6 @@ def _build_swa_stack(args: _StackArgs) -> Stack:
     )
 
 
-def _build_kv_stack(args: _StackArgs) -> Stack:
-    """The plain KV stack through ``build_kv_only_stack``; ``draft`` packs
-    ``DRAFTS`` one-layer MTP pools into it."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
-
-    device = args.pool_args["device"]
-    kv_pool = build_device_pool(layer_num=LAYERS, pages=DEVICE_PAGES, **args.kv_args)
-    drafts = tuple(
-        build_device_pool(layer_num=1, pages=DEVICE_PAGES, **args.kv_args)
-        for _ in range(DRAFTS if args.setup == "draft" else 0)
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        kv_pool.size, PAGE, torch.int64, device, kv_pool, need_sort=False
-    )
-    host_group, controller = assembler.build_kv_only_stack(
-        params=CacheInitParams(
-            token_to_kv_pool_allocator=allocator,
-            req_to_token_pool=_request_pool(device),
-            mtp_draft_device_pools=drafts,
-            **args.params,
-        ),
-        kv_pool=kv_pool,
-        full_layer_mapping={i: i for i in range(LAYERS)},
-        use_mla=False,
-        **args.common,
-    )
-    layers = [DeviceLayer(kv_pool, i) for i in range(LAYERS)]
-    layers += [DeviceLayer(d, 0) for d in drafts]
-    return Stack(host_group, controller, kv_pool, layers, {"kv": allocator})
-
-
 def _build_sidecar_stack(args: _StackArgs) -> Stack:
     """The plain KV stack and a two-layer draft pool registered as SGLang's
     sidecar, as ``maybe_register_hicache_draft`` does for a draft runner."""
@@ -464,11 +435,11 @@ def _build_mamba_stack(args: _StackArgs) -> Stack:
 
     pool_args = dict(args.kv_args)
     name, device = pool_args.pop("kv_cache_dtype"), pool_args["device"]
-    full_layers = args.hybrid_attention["full_attention_layer_ids"]
+    full_layers = HYBRID_ATTENTION["full_attention_layer_ids"]
     recipe = device_pool_recipe(
         name, layer_num=len(full_layers), page_size=PAGE, device=device
     )
-    mamba_layers = args.hybrid_attention["swa_attention_layer_ids"]
+    mamba_layers = HYBRID_ATTENTION["swa_attention_layer_ids"]
     req_to_token_pool = HybridReqToTokenPool(
         size=len(SEQ_LENS),
         mamba_size=MAMBA_SLOTS,
@@ -566,7 +537,7 @@ def run(
 
     _publish(setup)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0
+        "gloo", init_method=f"tcp://{HOST}:{free_ports(1)[0]}", world_size=1, rank=0
     )
     verdict = {
         "mode": mode,
@@ -979,8 +950,21 @@ STACK_BUILDERS: dict[str, Callable[[_StackArgs], Stack]] = {
     **{name: _build_kv_stack for name in FP4_FORMAT_NAMES},
     "mamba_fp4_mx_block16": _build_mamba_stack,
 }
-"""How each of ``SETUPS`` is built (``layer_first``: the host layout is the
-published flag)."""
+"""How each setup is built. ``kv``: the plain KV stack (MXFP8); ``draft``:
+``DRAFTS`` packed one-layer MTP/NextN draft pools in it; ``sidecar_draft``: a
+two-layer draft (EAGLE3, standalone) in its own host pool, registered as
+SGLang's sidecar (``build_hicache_draft_sidecars``), its indices those of the
+KV pool; ``layer_first``: that host layout (the published flag);
+``hybrid_swa``: full and sliding-window MXFP8 pools through
+``build_hybrid_swa_stack``; ``mamba``: an MXFP8 full attention pool beside
+Mamba2 state through ``build_hybrid_mamba_stack``; ``fp4_mx_block16``,
+``nvfp4``: the plain KV stack of that FP4 KV cache; ``mamba_fp4_mx_block16``:
+``mamba`` with an fp4_mx_block16 full attention pool (the configurator passes
+the FP4 quant method to ``HybridLinearKVPool``). The hybrids have 8 layers,
+full attention at 3 and 7, as their models interleave. nvfp4's quantizer needs
+Blackwell: elsewhere its pages are random bytes (the verdict's ``write_path``
+says so)."""
+SETUPS = tuple(STACK_BUILDERS)
 
 
 def _quant_method(pool):
@@ -1040,15 +1024,13 @@ def run_modes(
     l3: tuple[str, ...] = (),
     l3_config: dict | None = None,
     setups: tuple[str, ...] = ("kv",),
-    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Verdict]:
     """Each mode in a fresh process running every setup in ``setups``, then
     mode ours once per L3 backend in ``l3``; the verdicts by key: the mode for
     setup ``kv`` (``ours``), ``setup:mode`` for the others (``draft:ours``),
     ``ours+file`` for L3. ``l3_config`` (``L3_CONFIG_ENV``) is the extra
     config of every backend in ``l3``: pass it for those that need one
-    (mooncake, seaweedfs, dynamic), in a call of their own. ``progress``
-    gets one line per process as it ends (each takes up to a minute)."""
+    (mooncake, seaweedfs, dynamic), in a call of their own."""
     import subprocess
 
     runs = {mode: ["--mode", mode, "--setup", ",".join(setups)] for mode in modes}
@@ -1058,18 +1040,14 @@ def run_modes(
         env[L3_CONFIG_ENV] = json.dumps(l3_config)
     verdicts = {}
     for key, argv in runs.items():
-        started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "sglang_mxfp8_hicache.tools.e2e", *argv],
+            [sys.executable, __file__, *argv],
             capture_output=True,
             text=True,
             timeout=timeout,
             check=False,
             env=env,
         )
-        if progress is not None:
-            ended = "failed" if done.returncode else "done"
-            progress(f"{key}: {ended} ({time.monotonic() - started:.0f} s)")
         if done.returncode:
             verdicts[key] = Verdict(mode=key, error=done.stderr.strip()[-2000:])
             continue

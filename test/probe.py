@@ -1,6 +1,6 @@
 """Which host pool class SGLang picks after loading its plugins, in this process.
 
-Run as ``python -m sglang_mxfp8_hicache.tools.probe [--assembler-first]`` so that the
+Run as ``python test/probe.py [--assembler-first]`` so that the
 answer comes from a fresh process, as in a scheduler: prints one JSON object
 ``{"<pool>/<lookup>": "<module>.<class>"}`` for an MXFP8 pool (page_size 128
 and 64), the two FP4 pools (fp4_mx_block16, nvfp4), a bf16 pool and a plain
@@ -24,7 +24,7 @@ def device_buffer_info(kind: str, page_size: int = 128):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
     if kind in FP4_FORMAT_NAMES:
-        from sglang_mxfp8_hicache.tools.selfcheck import build_device_pool
+        from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
         pool = build_device_pool(
             head_num=2,

@@ -1,0 +1,251 @@
+"""Typed results the tools write and read, as msgspec structs: ``check``'s
+steps, the e2e verdicts, the L2 bench's rows and the L3 bench's report.
+
+The writer and every reader (the CLI, ``bench --plot``, the tests, the JSON
+files under ``docs/data``) share these types, so a field is named once. The
+module imports no torch: ``--help`` and ``bench --plot`` start at once.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import msgspec
+
+from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
+
+# What a bench run covers unless told otherwise: here, not in the benches,
+# so that the CLI's --help shows them without importing torch.
+BENCH_GEOMETRIES = ((1, 128, 8), (8, 128, 8), (32, 128, 8), (8, 128, 80))
+"""(KV heads, head_dim, layers)."""
+BENCH_PAGES = (1, 4, 16, 64, 256, 1024)
+BENCH_SETUPS = (
+    "page_first",
+    "draft",
+    "layer_first",
+    "direct",
+    "page_head",
+    *FP4_FORMAT_NAMES,
+)
+"""The host pool setups of ``bench --setup`` (``bench.setups`` builds them)."""
+L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs")
+"""What ``bench --l3`` times; seaweedfs only against a running gateway."""
+L3_GEOMETRY = (8, 128, 4)
+"""K and V of a page are each 512 KiB of payload plus 16 KiB of scales."""
+L3_PAGES = BENCH_PAGES
+BENCH_WARMUP, BENCH_REPEAT = 3, 20
+L3_WARMUP, L3_REPEAT = 1, 5
+"""Untimed and timed rounds: an L3 round of 1024 pages moves GBs through a
+file system or a network, an L2 round takes milliseconds."""
+
+
+class Step(msgspec.Struct, frozen=True):
+    """One step of ``check``, as its table row and its ``--json`` entry."""
+
+    name: str
+    status: str
+    detail: str
+
+
+# -- bench (L2) -----------------------------------------------------------------
+
+
+class Goal(msgspec.Struct, frozen=True):
+    """Ours over column ``to`` at most ``limit``, for batches of ``pages`` up
+    to ``up_to`` (whole transfers, or the wait for layer 0 of a load)."""
+
+    to: str
+    limit: float
+    pages: int = 1
+    up_to: int | None = None
+    direction: str | None = None
+    layer0: bool = False
+    mxfp8_only: bool = False
+
+    def applies(self, row: Row, *, layer0: bool) -> bool:
+        return (
+            self.layer0 == layer0
+            and row.pages >= self.pages
+            and (self.up_to is None or row.pages <= self.up_to)
+            and (self.direction is None or self.direction == row.direction)
+            and not (self.mxfp8_only and row.setup in FP4_FORMAT_NAMES)
+        )
+
+    def label(self) -> str:
+        pages = f"{self.pages}" if self.up_to is None else f"{self.pages}-{self.up_to}"
+        return f"{self.to}<={self.limit}@{pages}p"
+
+
+GOALS = (
+    # Whole transfers: with scales, no slower than SGLang moves the payload
+    # alone (MXFP8; an FP4 page is 1.125x its payload), and near the link.
+    Goal("payload", 1.0, pages=16, mxfp8_only=True),
+    Goal("raw", 1.05, pages=64),
+    Goal("raw", 1.5, up_to=1, direction="load"),
+    Goal("sglang", 1.0),
+    # The forward pass's wait for layer 0 of a load.
+    Goal("payload", 1.05, pages=4, layer0=True, mxfp8_only=True),
+    Goal("sglang", 1.0, layer0=True),
+)
+"""What ``bench --check`` holds every cell to (docs/benchmarks.md)."""
+
+
+class Row(msgspec.Struct):
+    """One (geometry, setup, batch, direction) cell: median ms per column, None
+    where the column's class refused the setup; loads also until layer 0's
+    work is done. ``drafts``: packed draft layers beside ``layers``."""
+
+    heads: int
+    head_dim: int
+    layers: int
+    pages: int
+    direction: str
+    ms: dict[str, float | None]
+    layer0_ms: dict[str, float | None] = {}
+    setup: str = "page_first"
+    drafts: int = 0
+
+    @property
+    def geometry(self) -> str:
+        return f"{self.heads}x{self.head_dim}x{self.layers}"
+
+    @property
+    def setup_label(self) -> str:
+        return f"{self.setup}({self.drafts})" if self.drafts else self.setup
+
+    @property
+    def refused(self) -> list[str]:
+        return [name for name, ms in self.ms.items() if ms is None]
+
+    def ratio(self, name: str, to: str = "payload", *, layer0: bool = False):
+        ms = self.layer0_ms if layer0 else self.ms
+        if ms.get(name) is None or ms.get(to) is None:
+            return None
+        return ms[name] / ms[to]
+
+    def goals(self, *, layer0: bool = False) -> list[Goal]:
+        return [g for g in GOALS if g.applies(self, layer0=layer0)]
+
+    def missed(self, *, layer0: bool = False) -> list[Goal]:
+        """The goals of this cell that ours misses (a refused column checks nothing)."""
+        if self.ms.get("ours") is None:
+            return self.goals(layer0=layer0)
+        return [
+            g
+            for g in self.goals(layer0=layer0)
+            if (ratio := self.ratio("ours", g.to, layer0=layer0)) is not None
+            and ratio > g.limit
+        ]
+
+    def meets_goal(self) -> bool:
+        """Every goal of the whole transfer and, for a load, of layer 0's wait."""
+        return not self.missed() and not (self.layer0_ms and self.missed(layer0=True))
+
+
+class BenchRun(msgspec.Struct):
+    """``bench --json-out``: the rows of one run and where it ran. Each row is
+    written with what it decides (``refused``, ``missed``, ``met``), which a
+    reader may ignore."""
+
+    device: str | None
+    page_size: int
+    rows: list[Row]
+
+    def to_json(self) -> bytes:
+        rows = [
+            msgspec.structs.asdict(r)
+            | {
+                "refused": r.refused,
+                "missed": [g.label() for g in r.missed()],
+                "layer0_missed": [g.label() for g in r.missed(layer0=True)],
+                "met": r.meets_goal(),
+            }
+            for r in self.rows
+        ]
+        run = msgspec.structs.asdict(self) | {"rows": rows}
+        return msgspec.json.format(msgspec.json.encode(run), indent=1)
+
+
+# -- bench --l3 -----------------------------------------------------------------
+
+L3_POOLS = ("mxfp8", "payload")
+L3_DIRECTIONS = ("put", "get")
+L3_GOAL_RATIO = 1.05
+L3_GOAL_FROM_PAGES = 64
+"""MXFP8 time at most L3_GOAL_RATIO x payload-only time, from this batch up."""
+
+
+class Cell(msgspec.Struct):
+    """One batch size: seconds of every timed repetition, per direction and pool."""
+
+    pages: int
+    seconds: dict[str, dict[str, list[float]]]
+    page_bytes: dict[str, int]
+
+    def ms(self, direction: str, pool: str) -> float:
+        return 1e3 * statistics.median(self.seconds[direction][pool])
+
+    def ratio(self, direction: str) -> float:
+        return self.ms(direction, "mxfp8") / self.ms(direction, "payload")
+
+    def pages_per_s(self, direction: str, pool: str) -> float:
+        return self.pages / (self.ms(direction, pool) / 1e3)
+
+    def gb_per_s(self, direction: str, pool: str) -> float:
+        return self.pages_per_s(direction, pool) * self.page_bytes[pool] / 1e9
+
+    @property
+    def has_goal(self) -> bool:
+        return self.pages >= L3_GOAL_FROM_PAGES
+
+    def missed(self) -> list[str]:
+        """The directions over the goal ratio, if this batch has a goal."""
+        if not self.has_goal:
+            return []
+        return [d for d in L3_DIRECTIONS if self.ratio(d) > L3_GOAL_RATIO]
+
+
+class Report(msgspec.Struct, kw_only=True):
+    """``bench --l3``: where pages went (``store``: the directory, the master),
+    the geometry (KV heads, head_dim, layers), and every batch's cell."""
+
+    backend: str
+    store: str
+    geometry: tuple[int, int, int]
+    reps: int
+    warmup: int
+    format_tag: str
+    page_bytes: dict[str, int]
+    cells: list[Cell]
+    meta: dict[str, str | None] = {}
+
+    @property
+    def byte_ratio(self) -> float:
+        """What 'their extra bytes' allow: MXFP8 page bytes / payload page bytes."""
+        return self.page_bytes["mxfp8"] / self.page_bytes["payload"]
+
+    def missed(self) -> list[tuple[int, str, float]]:
+        """(pages, direction, ratio) of every cell over its goal."""
+        return [(c.pages, d, c.ratio(d)) for c in self.cells for d in c.missed()]
+
+    def to_json(self) -> bytes:
+        """The report, with each cell's medians, rates, ratios and verdict."""
+        cells = [
+            msgspec.structs.asdict(c)
+            | {
+                d: {
+                    "median_ms": {p: c.ms(d, p) for p in L3_POOLS},
+                    "gb_per_s": {p: c.gb_per_s(d, p) for p in L3_POOLS},
+                    "ratio": c.ratio(d),
+                }
+                for d in L3_DIRECTIONS
+            }
+            | {"met": not c.missed() if c.has_goal else None}
+            for c in self.cells
+        ]
+        report = msgspec.structs.asdict(self) | {
+            "byte_ratio": self.byte_ratio,
+            "goal": {"ratio": L3_GOAL_RATIO, "from_pages": L3_GOAL_FROM_PAGES},
+            "cells": cells,
+        }
+        return msgspec.json.format(msgspec.json.encode(report), indent=1)
