@@ -45,13 +45,12 @@ import torch
 
 from mooncake_loopback import HOST, free_ports
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
-from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, LocalBackend, local_backend
+from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, BackendConfig, local_backend
 from sglang_mxfp8_hicache.tools.pools import PAGE_SIZE as PAGE
 from sglang_mxfp8_hicache.tools.pools import (
     PayloadOnlyHost,
     build_device_pool,
     device_buffers,
-    device_pool_recipe,
     fill_random,
     host_page_rows,
     synchronize,
@@ -436,8 +435,10 @@ def _build_mamba_stack(args: _StackArgs) -> Stack:
     pool_args = dict(args.kv_args)
     name, device = pool_args.pop("kv_cache_dtype"), pool_args["device"]
     full_layers = HYBRID_ATTENTION["full_attention_layer_ids"]
-    recipe = device_pool_recipe(
-        name, layer_num=len(full_layers), page_size=PAGE, device=device
+    # What the configurator gives the full attention pool: its class, dtype
+    # and (FP4) quant method, as a one-page pool of the recipe shows them.
+    recipe = build_device_pool(
+        layer_num=len(full_layers), pages=1, kv_cache_dtype=name, **pool_args
     )
     mamba_layers = HYBRID_ATTENTION["swa_attention_layer_ids"]
     req_to_token_pool = HybridReqToTokenPool(
@@ -466,8 +467,8 @@ def _build_mamba_stack(args: _StackArgs) -> Stack:
         start_layer=0,
         use_mla=False,
         dtype=recipe.dtype,
-        full_kv_pool_class=recipe.pool_class,
-        quant_method=recipe.quant_method,
+        full_kv_pool_class=type(recipe),
+        quant_method=None if name == "mxfp8" else recipe.quant_method,
         **pool_args,
     )
     allocator = PagedTokenToKVPoolAllocator(
@@ -853,14 +854,14 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     return {"untouched_pages_kept": untouched}
 
 
-def _l3_backend(backend: str) -> LocalBackend:
-    """``tools.l3.LocalBackend`` of ``backend``: the extra config in
+def _l3_backend(backend: str) -> BackendConfig:
+    """``tools.l3.BackendConfig`` of ``backend``: the extra config in
     ``L3_CONFIG_ENV`` if set, else a local run in a fresh directory."""
     import tempfile
 
     config = os.environ.get(L3_CONFIG_ENV)
     if config:
-        return LocalBackend(json.loads(config), {})
+        return BackendConfig(json.loads(config), {})
     if backend not in LOCAL_BACKENDS:
         raise RuntimeError(
             f"--l3 {backend} needs {L3_CONFIG_ENV}: the JSON of "

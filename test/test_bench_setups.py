@@ -116,7 +116,7 @@ def test_setup_rows(cpu_bench, name, layout, drafts):
         sglang_cell,
     )
     assert cells["ours/sglang"] == ("-" if refused else "1.000")
-    headers, body = bench.layer0_table(rows)
+    headers, body = bench.table(rows, layer0=True)
     cells = dict(zip(headers, body[0], strict=True))
     assert (cells["setup"], cells["ours L0 ms"]) == (label, f"{LAYER0_MS:.3f}")
     assert cells["sglang L0 ms"] == ("refused" if refused else f"{LAYER0_MS:.3f}")

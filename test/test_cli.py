@@ -14,6 +14,7 @@ import torch
 from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.tools import cli
 from sglang_mxfp8_hicache.tools.cli import main
+from sglang_mxfp8_hicache.tools.results import BENCH_GEOMETRIES, BENCH_PAGES
 
 LLAMA_8B = {
     "model_type": "llama",
@@ -320,14 +321,14 @@ BAD_INPUTS = [
         ["bench", "--l3", "bogus"],
         "--l3",
         "'bogus'",
-        "mooncake or seaweedfs",
+        "'mooncake', 'seaweedfs'",
     ),
     bad("l3_refused_backend", ["bench", "--l3", "sim"], "--l3", "'sim'"),
     bad(
         "l3_untimed_backend",
         ["bench", "--l3", "dynamic"],
         "--l3",
-        "mooncake or seaweedfs",
+        "'mooncake', 'seaweedfs'",
     ),
     bad(
         "l3_geometry_8by128",
@@ -379,38 +380,38 @@ BAD_INPUTS = [
         "--l3-dir needs",
     ),
     bad(
-        "mooncake_config_not_json",
-        ["bench", "--l3", "mooncake", "--mooncake-config", "master=1"],
-        "--mooncake-config",
+        "l3_config_not_json",
+        ["bench", "--l3", "mooncake", "--l3-config", "master=1"],
+        "--l3-config",
         "JSON object",
         "'master=1'",
     ),
     bad(
-        "mooncake_config_not_object",
-        ["bench", "--l3", "mooncake", "--mooncake-config", '["127.0.0.1:50051"]'],
-        "--mooncake-config",
+        "l3_config_not_object",
+        ["bench", "--l3", "mooncake", "--l3-config", '["127.0.0.1:50051"]'],
+        "--l3-config",
         "JSON object",
     ),
     bad(
-        "mooncake_config_multiline",
-        ["bench", "--l3", "mooncake", "--mooncake-config", "{\n"],
-        "--mooncake-config",
+        "l3_config_multiline",
+        ["bench", "--l3", "mooncake", "--l3-config", "{\n"],
+        "--l3-config",
     ),
     bad(
-        "mooncake_config_no_master",
-        ["bench", "--l3", "mooncake", "--mooncake-config", '{"protocol": "tcp"}'],
-        "--mooncake-config",
+        "l3_config_no_master",
+        ["bench", "--l3", "mooncake", "--l3-config", '{"protocol": "tcp"}'],
+        "--l3-config",
         "master_server_address",
     ),
     bad(
-        "mooncake_config_with_file",
-        ["bench", "--l3", "file", "--mooncake-config", MASTER],
-        "--mooncake-config is for --l3 mooncake",
+        "l3_config_with_file",
+        ["bench", "--l3", "file", "--l3-config", MASTER],
+        "--l3-config is for --l3 mooncake or seaweedfs, not --l3 file",
     ),
     bad(
-        "mooncake_config_without_l3",
-        ["bench", "--mooncake-config", MASTER],
-        "--mooncake-config needs --l3 mooncake",
+        "l3_config_without_l3",
+        ["bench", "--l3-config", MASTER],
+        "--l3-config needs --l3 mooncake",
     ),
     bad(
         "bench-no_cuda", ["bench", "--l3", "file", "--pages", "64"], "needs a CUDA GPU"
@@ -463,28 +464,25 @@ def test_version(capsys):
 def test_help_lists_every_command(capsys):
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0
-    for command in ("check", "size", "bench", "--e2e"):
+    for command in ("check", "size", "bench"):
         assert command in out
     code, out, _ = run_cli(["check", "--help"], capsys)
-    assert code == 0 and "--e2e" in out
+    assert code == 0 and "--require-gpu" in out
     code, out, _ = run_cli(["bench", "--help"], capsys)
     assert code == 0
     for flag in (
         "--l3 BACKEND",
         "--l3-dir",
-        "--mooncake-config",
+        "--l3-config",
         "--setup",
         "--drafts",
     ):
         assert flag in out
-    from sglang_mxfp8_hicache.tools import bench, bench_l3, cli
+    from sglang_mxfp8_hicache.tools import results
 
-    assert cli.BENCH_SETUPS == bench.SETUPS
     flat = " ".join(out.split())
-    for setup in bench.SETUPS:
-        assert setup in flat
-    for backend in bench_l3.BACKENDS:
-        assert backend in flat
+    for name in (*results.BENCH_SETUPS, *results.L3_BACKENDS, "(default: 3; --l3: 1)"):
+        assert name in flat
 
 
 def test_bench_needs_cuda_after_good_arguments(capsys, monkeypatch):
@@ -524,11 +522,10 @@ def fake_bench(monkeypatch) -> SimpleNamespace:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU")
     monkeypatch.setattr(bench, "host_classes", lambda ablations: {})
     monkeypatch.setattr(bench, "run", run)
-    monkeypatch.setattr(bench, "table", lambda rows: (["met"], [[r.met] for r in rows]))
     monkeypatch.setattr(
-        bench, "layer0_table", lambda rows: (["met"], [[r.met] for r in rows])
+        bench, "table", lambda rows, layer0=False: (["met"], [[r.met] for r in rows])
     )
-    monkeypatch.setattr(bench, "to_json", lambda rows: "[]")
+    monkeypatch.setattr(bench, "to_json", lambda rows: b"[]")
     return fake
 
 
@@ -558,7 +555,7 @@ def test_bench_arguments_reach_run(fake_bench, tmp_path, capsys):
     assert out_file.read_text() == "[]"
     assert run_cli(["bench", "--warmup", "0", "--repeat", "5"], capsys)[0] == 0
     bench = fake_bench.bench
-    assert fake_bench.calls[-1] == (bench.GEOMETRIES, bench.PAGES, 0, 5)
+    assert fake_bench.calls[-1] == (BENCH_GEOMETRIES, BENCH_PAGES, 0, 5)
     # Today's bench unless --setup says otherwise: page_first, no drafts.
     assert fake_bench.setups == [[bench.Setup()]] * 2
 
@@ -613,8 +610,8 @@ def test_check_command():
     )
     steps = {s["name"]: s for s in json.loads(done.stdout)}
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert steps["dispatch on scaled pools"]["detail"] == (
-        "mxfp8, fp4_mx_block16, nvfp4 device pools -> MHATokenToKVPoolMXFP8Host"
+    assert steps["dispatch in a fresh process"]["detail"] == (
+        "mxfp8, fp4_mx_block16, nvfp4 -> ours, bf16 -> SGLang's, in a new process"
     )
     for name, step in steps.items():
         if name == "GPU round trip" and not torch.cuda.is_available():
@@ -638,7 +635,6 @@ def test_check_require_gpu(monkeypatch, capsys, flags, code):
     for name in (
         "_check_version",
         "_check_entry_point",
-        "_check_fresh_process",
         "_check_dispatch",
         "_check_sizing",
     ):

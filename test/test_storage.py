@@ -1096,7 +1096,7 @@ def test_hf3fs_shared_metadata_server(
     pages, whole."""
     monkeypatch.setattr(signal, "signal", lambda *args: None)
     local = local_backend(
-        "hf3fs", str(tmp_path), hf3fs_metadata_url=hf3fs_metadata_server
+        "hf3fs", str(tmp_path), hf3fs={"metadata_server_url": hf3fs_metadata_server}
     )
     model = f"model-{uuid.uuid4().hex[:8]}"
 

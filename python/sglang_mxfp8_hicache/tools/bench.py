@@ -1,46 +1,23 @@
 """Side-by-side timing of HiCache host pools on one GPU, in one process.
 
-For each geometry (KV heads x head_dim x layers, page_size 128), setup and
-batch of pages, both directions are timed with CUDA events (warm-up, then the
-median of ``repeat`` runs) for:
-
-- ``ours``: :class:`MHATokenToKVPoolMXFP8Host`;
-- ``sglang``: SGLang's own MXFP8 host pool, when the installed SGLang has one;
-- ``payload``: SGLang's ``MHATokenToKVPoolHost`` on the same device pool, which
-  moves the payload only (the floor any scaled pool is compared with; for FP4
-  given the payload at its real width, ``pools.PayloadOnlyHost``);
-- ``raw``: one pinned ``copy_`` of as many bytes as payload plus scales;
-- on request, the ablations of :mod:`.ablations`: ours with one design choice
-  undone, to measure what that choice is worth.
+For each geometry (KV heads x head_dim x layers, page_size 128), setup
+(:class:`Setup`) and batch of pages, both directions are timed with CUDA
+events (warm-up, then the median) for ``ours``; ``sglang``, SGLang's own MXFP8
+host pool; ``payload``, SGLang's ``MHATokenToKVPoolHost`` moving the payload
+alone (``pools.PayloadOnlyHost`` for FP4); ``raw``, one pinned ``copy_`` of
+payload plus scales; and on request the ablations of :mod:`.ablations`.
 
 A backup is one ``backup_from_device_all_layer`` call with host indices where
-SGLang's controller puts them (CPU for page_first's staged write-back, the GPU
-otherwise, as for layer_first); a load is
-one ``load_to_device_per_layer`` call per layer with GPU indices, as SGLang's
-transfer engine makes them. For a load the bench also records when layer 0's
-work completes: the event SGLang's forward pass waits on before layer 0.
-
-Setups (:class:`Setup`), each with host pools of its own:
-
-- ``page_first``: the host layout SGLang's MXFP8 class serves (the default);
-- ``draft``: ``page_first`` with packed MTP/NextN draft layers: one-layer draft
-  device pools of the target's heads packed as tail layers of every host pool
-  (``draft_buffer_infos``). The backup covers them; a load issues draft depth
-  ``d`` with ``is_draft`` right after target layer ``d``, in the same loop, as
-  SGLang's ``HybridCacheController`` does (:func:`draft_depths_after`);
-- ``layer_first``: ``--hicache-mem-layout layer_first``;
-- ``direct``: ``--hicache-io-backend direct`` (layout ``page_first_direct``):
-  every index on the CPU, as SGLang's controller hands them for it;
-- ``page_head``: the heads-major page (``--hicache-mem-layout page_head``);
-- ``fp4_mx_block16``, ``nvfp4``: ``page_first`` over that FP4 KV cache (SGLang's
-  own classes refuse it).
-
-A class that refuses a setup (SGLang's MXFP8 class takes neither packed drafts
-nor ``layer_first``) gets ``None`` for its cells: "refused" in the tables.
+SGLang's controller puts them; a load is one ``load_to_device_per_layer`` call
+per layer with GPU indices (draft depth ``d`` right after target layer ``d``,
+as ``HybridCacheController`` issues it), and the bench also records when
+layer 0's work completes: what the forward pass waits on. A class that refuses
+a setup gets ``None`` cells, "refused" in the tables.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -108,16 +85,6 @@ def setups(names: Sequence[str], drafts: int = DEFAULT_DRAFTS) -> list[Setup]:
     if unknown:
         raise ValueError(f"unknown setup(s) {unknown}; known: {list(BENCH_SETUPS)}")
     return [known[name] for name in dict.fromkeys(names)]
-
-
-def sglang_mxfp8_host_cls() -> type | None:
-    try:
-        from sglang.srt.mem_cache.pool_host.mha_mxfp8 import (
-            MHATokenToKVPoolMXFP8Host as SGLangMXFP8Host,
-        )
-    except ImportError:
-        return None
-    return SGLangMXFP8Host
 
 
 Transfer = Callable[[Callable[[], None]], object]
@@ -237,7 +204,11 @@ def host_classes(ablations: Sequence[str] = ()) -> dict[str, type]:
     classes = {
         "ours": MHATokenToKVPoolMXFP8Host,
         **{name: ABLATIONS[name] for name in ablations},
-        "sglang": sglang_mxfp8_host_cls(),
+        "sglang": getattr(
+            importlib.import_module("sglang.srt.mem_cache.pool_host.mha_mxfp8"),
+            "MHATokenToKVPoolMXFP8Host",
+            None,
+        ),
         "payload": PayloadOnlyHost,
     }
     return {name: cls for name, cls in classes.items() if cls is not None}
@@ -354,17 +325,8 @@ def bench_geometry(
                 # Every column in table order, None where its class refused.
                 ms = {name: ms.get(name) for name in [*hosts, "raw"]}
                 layer0 = {name: layer0.get(name) for name in hosts} if layer0 else {}
-                rows.append(
-                    Row(
-                        *geometry,
-                        pages,
-                        direction,
-                        ms,
-                        layer0,
-                        setup.name,
-                        setup.drafts,
-                    )
-                )
+                cell = (pages, direction, ms, layer0, setup.name, setup.drafts)
+                rows.append(Row(*geometry, *cell))
                 progress()
     finally:
         for host in hosts.values():
@@ -390,12 +352,9 @@ def run(
         for g in geometries
         for s in setups
     ]
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm ships with sglang
-        tqdm = None
-    total = sum(2 * len(pages) for _, _, pages in plan)
-    bar = tqdm(total=total, desc="bench", unit="case") if tqdm else None
+    from tqdm import tqdm  # SGLang's dependency
+
+    bar = tqdm(total=sum(2 * len(p) for _, _, p in plan), desc="bench", unit="case")
     rows = []
     for geometry, setup, pages in plan:
         if not pages:
@@ -406,13 +365,12 @@ def run(
             classes=classes,
             warmup=warmup,
             repeat=repeat,
-            progress=(bar.update if bar else lambda: None),
+            progress=bar.update,
             setup=setup,
             device=device,
         )
         torch.cuda.empty_cache()
-    if bar:
-        bar.close()
+    bar.close()
     return rows
 
 
@@ -424,45 +382,28 @@ def _cell(ms: dict[str, float | None], name: str) -> str:
     return REFUSED if name in ms and ms[name] is None else _fmt(ms.get(name))
 
 
-def table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
-    """Whole transfers, both directions."""
-    names = list(dict.fromkeys(name for r in rows for name in r.ms))
-    headers = ["setup", "KVxDxL", "pages", "dir", *(f"{n} ms" for n in names)]
-    headers += ["ours/payload", "ours/raw", "ours/sglang", "missed"]
+def table(rows: list[Row], *, layer0: bool = False) -> tuple[list, list[list]]:
+    """Whole transfers, both directions; ``layer0``: loads, until layer 0's
+    work is done."""
+    rows = [r for r in rows if r.layer0_ms] if layer0 else rows
+    times = [r.layer0_ms if layer0 else r.ms for r in rows]
+    names = list(dict.fromkeys(name for ms in times for name in ms))
+    ratios = ("payload", "sglang") if layer0 else ("payload", "raw", "sglang")
+    direction = [] if layer0 else ["dir"]
+    headers = ["setup", "KVxDxL", "pages", *direction]
+    headers += [f"{n} {'L0 ms' if layer0 else 'ms'}" for n in names]
+    headers += [f"ours/{to}" for to in ratios] + ["missed"]
     body = [
         [
             r.setup_label,
             r.geometry,
             str(r.pages),
-            r.direction,
-            *(_cell(r.ms, n) for n in names),
-            _fmt(r.ratio("ours")),
-            _fmt(r.ratio("ours", "raw")),
-            _fmt(r.ratio("ours", "sglang")),
-            " ".join(g.label() for g in r.missed()) or "-",
+            *([] if layer0 else [r.direction]),
+            *(_cell(ms, n) for n in names),
+            *(_fmt(r.ratio("ours", to, layer0=layer0)) for to in ratios),
+            " ".join(g.label() for g in r.missed(layer0=layer0)) or "-",
         ]
-        for r in rows
-    ]
-    return headers, body
-
-
-def layer0_table(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
-    """Loads: time until layer 0's work is done."""
-    loads = [r for r in rows if r.layer0_ms]
-    names = list(dict.fromkeys(name for r in loads for name in r.layer0_ms))
-    headers = ["setup", "KVxDxL", "pages", *(f"{n} L0 ms" for n in names)]
-    headers += ["ours/payload", "ours/sglang", "missed"]
-    body = [
-        [
-            r.setup_label,
-            r.geometry,
-            str(r.pages),
-            *(_cell(r.layer0_ms, n) for n in names),
-            _fmt(r.ratio("ours", layer0=True)),
-            _fmt(r.ratio("ours", "sglang", layer0=True)),
-            " ".join(g.label() for g in r.missed(layer0=True)) or "-",
-        ]
-        for r in loads
+        for r, ms in zip(rows, times, strict=True)
     ]
     return headers, body
 

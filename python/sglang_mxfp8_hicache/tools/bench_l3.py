@@ -1,27 +1,16 @@
 """L3 put and get of MXFP8 pages against the same model's payload-only pages.
 
-The question is the one of issue 10: does an MXFP8 page cost more on L3 than
-its extra bytes (4 scale bytes per 128 payload bytes at head_dim 128)? So both
-pools run in one process, on the same backend kind, side by side:
-
-- ``mxfp8``: :class:`MHATokenToKVPoolMXFP8Host` over SGLang's MXFP8 device pool;
-- ``payload``: SGLang's ``MHATokenToKVPoolHost`` over an fp8 device pool of the
-  same heads, head_dim and layers (no scales): the floor.
-
-Each pool gets its own backend, opened by :class:`~.l3.StoragePageIO` as the
-cache controller attaches one (our factory hook included, when the plugin's
-hooks are applied), and pages move through the controller's own page
-functions in its batches of 128. A put is ``backup``, a get is ``fetch``;
-both are timed by wall clock, which is what the controller's storage threads
-spend on them.
-
-Per batch size: one warm-up, then ``reps`` timed repetitions, the pools
-alternating which goes first; the median counts. Every put has fresh keys
-(both backends skip a key they hold, which would time nothing), and what a
-repetition stored is removed before the next, so the disk or the Mooncake
-segment holds one batch per pool at most. Gets land in other host pages than
-the puts came from, poisoned first; the last repetition's are compared byte
-for byte with the pages that were put, and a mismatch fails the run.
+Does an MXFP8 page cost more on L3 than its extra bytes? Both pools run side
+by side in one process, each with its own backend opened as the cache
+controller attaches one (:class:`~.l3.StoragePageIO`, our factory hook
+included), pages moving through the controller's own page functions in its
+batches: ``mxfp8``, our host pool over SGLang's MXFP8 device pool, and
+``payload``, SGLang's ``MHATokenToKVPoolHost`` given the same pool's payload
+alone (``pools.PayloadOnlyHost``: the floor). Puts and gets are timed by wall
+clock, as the storage threads spend it; per batch size one warm-up, then the
+median of ``reps``, the pools alternating which goes first. Every put has fresh keys, what a rep
+stored is removed before the next, gets land in other (poisoned) host pages,
+and the last rep's are compared byte for byte: a mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -43,12 +32,17 @@ from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.tools.l3 import (
     FILE_DIR_ENV,
     LOCAL_BACKENDS,
+    BackendConfig,
     StoragePageIO,
     local_backend,
     page_hashes,
 )
 from sglang_mxfp8_hicache.tools.pools import (
     PAGE_SIZE,
+    PayloadOnlyHost,
+    build_device_pool,
+    build_host_pool,
+    fill_random,
     host_page_rows,
     page_token_indices,
 )
@@ -81,38 +75,22 @@ class L3Unavailable(RuntimeError):
     reached, host pools that do not fit."""
 
 
-# -- pools ---------------------------------------------------------------------
-
-
 def build_pools(
     geometry: tuple[int, int, int], max_pages: int, *, device: str, pin_memory: bool
 ) -> dict[str, Any]:
-    """The two host pools, each of ``2 * max_pages + 1`` pages (puts from one
-    half, gets into the other), over one-page device pools: L3 never touches
-    the device, and a server's device pool says nothing about L3 speed."""
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
+    """Ours and the payload-only control, each of ``2 * max_pages + 1`` pages
+    (puts from one half, gets into the other), over a one-page MXFP8 device
+    pool: L3 never touches the device."""
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
 
     heads, head_dim, layers = geometry
-    mxfp8_device, payload_device = (
-        build_device_pool(
-            head_num=heads,
-            head_dim=head_dim,
-            layer_num=layers,
-            pages=1,
-            device=device,
-            payload_dtype=dtype,
-        )
-        for dtype in (None, torch.float8_e4m3fn)
+    device_pool = build_device_pool(
+        head_num=heads, head_dim=head_dim, layer_num=layers, pages=1, device=device
     )
     pools: dict[str, Any] = {}
     try:
-        for name, device_pool, cls in (
-            ("mxfp8", mxfp8_device, MHATokenToKVPoolMXFP8Host),
-            ("payload", payload_device, MHATokenToKVPoolHost),
-        ):
+        classes = (MHATokenToKVPoolMXFP8Host, PayloadOnlyHost)
+        for name, cls in zip(L3_POOLS, classes, strict=True):
             pools[name] = build_host_pool(
                 device_pool,
                 cls,
@@ -131,17 +109,6 @@ def page_bytes(pool: Any) -> int:
     return pool.get_size_per_token() * pool.page_size
 
 
-def fill_random(pool: Any, generator: torch.Generator) -> None:
-    """Every host byte random (uniform over 0-255, 8 bytes per draw)."""
-    flat = pool.kv_buffer.view(torch.uint8).view(-1)
-    if flat.numel() % 8 == 0:
-        flat.view(torch.int64).random_(
-            torch.iinfo(torch.int64).min, None, generator=generator
-        )
-    else:
-        flat.random_(0, 256, generator=generator)
-
-
 def _poison(pool: Any, pages: torch.Tensor) -> None:
     host_page_rows(pool)[pages] = POISON
 
@@ -154,9 +121,6 @@ def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
         if not torch.equal(rows[got[chunk]], rows[put[chunk]]):
             return False
     return True
-
-
-# -- L3 ------------------------------------------------------------------------
 
 
 def _remove(
@@ -217,9 +181,6 @@ def _signal_handlers_kept() -> Iterator[None]:
             signal.signal(number, handler)
 
 
-# -- measuring -----------------------------------------------------------------
-
-
 def _timed(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
     start = time.perf_counter()
     result = fn(*args)
@@ -247,20 +208,14 @@ def _one_rep(
         for name in order:
             took["put"][name], stored = _timed(ios[name].backup, hashes, put_at)
             if not stored:
-                raise L3BenchError(
-                    f"{name}: put of {pages} pages failed (disk or Mooncake "
-                    "segment full?)"
-                )
+                raise L3BenchError(f"{name}: put of {pages} pages failed (store full?)")
         for name in order:
             took["get"][name], arrived = _timed(ios[name].fetch, hashes, get_at)
             if arrived != pages:
                 raise L3BenchError(f"{name}: get of {pages} pages returned {arrived}")
         for name in order if verify else ():
             if not _same_pages(ios[name].storage_host_pool, get_pages, put_pages):
-                raise L3BenchError(
-                    f"{name}: {pages} pages came back from L3 with other bytes "
-                    "than were put"
-                )
+                raise L3BenchError(f"{name}: {pages} pages came back changed")
         done = True
     finally:
         for name in order:
@@ -285,8 +240,7 @@ def measure(
     if 2 * max(pages_list) > page_num:
         raise ValueError(f"{max(pages_list)} pages need 2x as many host pages")
     gen = torch.Generator().manual_seed(seed)
-    for pool in pools.values():
-        fill_random(pool, gen)
+    fill_random([pool.kv_buffer for pool in pools.values()], gen)
     sizes = {name: page_bytes(pool) for name, pool in pools.items()}
     cells = []
     for pages in pages_list:
@@ -297,15 +251,9 @@ def measure(
             # Fresh keys: a backend skips the put of a key it holds.
             tokens = torch.randint(0, 1 << 30, (pages * PAGE_SIZE,), generator=gen)
             hashes = page_hashes(tokens.tolist(), PAGE_SIZE)
-            shift = rep % len(L3_POOLS)
-            took = _one_rep(
-                ios,
-                L3_POOLS[shift:] + L3_POOLS[:shift],
-                hashes,
-                put_pages,
-                get_pages,
-                verify=rep == warmup + reps - 1,
-            )
+            order = L3_POOLS[rep % 2 :] + L3_POOLS[: rep % 2]
+            last = rep == warmup + reps - 1
+            took = _one_rep(ios, order, hashes, put_pages, get_pages, verify=last)
             for d in L3_DIRECTIONS:
                 for name in L3_POOLS if rep >= warmup else ():
                     seconds[d][name].append(took[d][name])
@@ -314,24 +262,17 @@ def measure(
     return cells
 
 
-# -- a run ---------------------------------------------------------------------
-
-
 def run_metadata() -> dict[str, Any]:
     from sglang_mxfp8_hicache import __version__
     from sglang_mxfp8_hicache.plugin import sglang_version
 
+    now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "sglang_version": sglang_version(),
         "plugin_version": __version__,
         "host": platform.node(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-            timespec="seconds"
-        ),
-        "timing": "wall clock (time.perf_counter), median of the timed reps",
-        "verified": "every get returned every page; the last rep's gets of each "
-        "batch size compared byte for byte with the pages put",
+        "date": now.isoformat(timespec="seconds"),
     }
 
 
@@ -365,58 +306,39 @@ def _open_all(
     l3_dir: str | None,
     l3_config: dict[str, Any] | None,
 ) -> tuple[dict[str, StoragePageIO], str]:
-    """Each pool's backend, and where pages go; what it makes or starts is
-    undone when ``stack`` closes. A local backend gets a directory per pool:
-    hf3fs keeps no model name in its keys, and its metadata is per instance."""
-    run_id = uuid.uuid4().hex[:8]
-    if backend in LOCAL_BACKENDS:
+    """Each pool's backend, and where pages go; what it makes is undone when
+    ``stack`` closes. A local backend gets a directory per pool: hf3fs keeps
+    no model name in its keys, and its metadata is per instance."""
+    run_id, local = uuid.uuid4().hex[:8], backend in LOCAL_BACKENDS
+    if local:
         parent = l3_dir or os.environ.get(FILE_DIR_ENV) or None
-        root = tempfile.mkdtemp(prefix=f"sglang-mxfp8-hicache-{backend}-", dir=parent)
-        stack.callback(shutil.rmtree, root, ignore_errors=True)
-        ios = {}
-        for name, pool in pools.items():
-            os.mkdir(os.path.join(root, name))
-            local = local_backend(
-                backend,
-                os.path.join(root, name),
-                size_bytes=SEGMENT_HEADROOM * max_pages * page_bytes(pool),
-            )
-            with local.environment():
-                ios[name] = _open(
-                    stack, backend, pool, run_id, name, local.extra_config
+        store = tempfile.mkdtemp(prefix=f"sglang-mxfp8-hicache-{backend}-", dir=parent)
+        stack.callback(shutil.rmtree, store, ignore_errors=True)
+    else:
+        where = l3_config.get("master_server_address") or l3_config.get("endpoint")
+        store = f"{backend} at {where or 'its config'}"
+    ios = {}
+    for name, pool in pools.items():
+        if local:
+            os.mkdir(root := os.path.join(store, name))
+            size = SEGMENT_HEADROOM * max_pages * page_bytes(pool)
+            config = local_backend(backend, root, size_bytes=size)
+        else:
+            config = BackendConfig(dict(l3_config), {})
+        try:
+            with config.environment(), _signal_handlers_kept():
+                ios[name] = StoragePageIO.open(
+                    backend,
+                    pool,
+                    model_name=f"bench-l3-{run_id}-{name}",
+                    extra_config=config.extra_config,
                 )
-        return ios, root
-    where = l3_config.get("master_server_address") or l3_config.get("endpoint")
-    extra_config, store = dict(l3_config), f"{backend} at {where or 'its config'}"
-    ios = {
-        name: _open(stack, backend, pool, run_id, name, extra_config)
-        for name, pool in pools.items()
-    }
+        except Exception as exc:
+            raise L3Unavailable(
+                f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
+            ) from exc
+        stack.callback(ios[name].close)
     return ios, store
-
-
-def _open(
-    stack: contextlib.ExitStack,
-    backend: str,
-    pool: Any,
-    run_id: str,
-    name: str,
-    extra_config: dict[str, Any],
-) -> StoragePageIO:
-    try:
-        with _signal_handlers_kept():
-            io = StoragePageIO.open(
-                backend,
-                pool,
-                model_name=f"bench-l3-{run_id}-{name}",
-                extra_config=extra_config,
-            )
-    except Exception as exc:
-        raise L3Unavailable(
-            f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
-        ) from exc
-    stack.callback(io.close)
-    return io
 
 
 def run(
@@ -456,22 +378,11 @@ def run(
         for pool in pools.values():
             stack.callback(pool.destroy)
         ios, store = _open_all(stack, backend, pools, max_pages, l3_dir, l3_config)
-        try:
-            from tqdm import tqdm
-        except ImportError:  # pragma: no cover - tqdm ships with sglang
-            tqdm = None
-        if tqdm is not None:
-            bar = tqdm(
-                total=len(pages_list) * (warmup + reps), desc="bench --l3", unit="rep"
-            )
-            stack.callback(bar.close)
-        cells = measure(
-            ios,
-            pages_list,
-            reps=reps,
-            warmup=warmup,
-            progress=bar.update if tqdm is not None else lambda: None,
-        )
+        from tqdm import tqdm  # SGLang's dependency
+
+        bar = tqdm(total=len(pages_list) * (warmup + reps), desc="bench --l3")
+        stack.callback(bar.close)
+        cells = measure(ios, pages_list, reps=reps, warmup=warmup, progress=bar.update)
         return Report(
             backend=backend,
             store=store,
@@ -485,34 +396,17 @@ def run(
         )
 
 
-# -- output --------------------------------------------------------------------
-
-
 def table(report: Report) -> tuple[list[str], list[list[str]]]:
-    headers = [
-        "pages",
-        "put MXFP8 ms",
-        "put payload ms",
-        "put x",
-        "get MXFP8 ms",
-        "get payload ms",
-        "get x",
-        "MXFP8 put pages/s",
-        "put GB/s",
-        "MXFP8 get pages/s",
-        "get GB/s",
-        "bytes x",
-        f"<={L3_GOAL_RATIO}x",
-    ]
+    headers = ["pages"]
+    for d in L3_DIRECTIONS:
+        headers += [f"{d} MXFP8 ms", f"{d} payload ms", f"{d} x"]
+    headers += ["MXFP8 put pages/s", "put GB/s", "MXFP8 get pages/s", "get GB/s"]
+    headers += ["bytes x", f"<={L3_GOAL_RATIO}x"]
     body = []
     for c in report.cells:
         row = [str(c.pages)]
         for d in L3_DIRECTIONS:
-            row += [
-                f"{c.ms(d, 'mxfp8'):.3f}",
-                f"{c.ms(d, 'payload'):.3f}",
-                f"{c.ratio(d):.3f}",
-            ]
+            row += [f"{c.ms(d, p):.3f}" for p in L3_POOLS] + [f"{c.ratio(d):.3f}"]
         for d in L3_DIRECTIONS:
             row += [f"{c.pages_per_s(d, 'mxfp8'):.0f}", f"{c.gb_per_s(d, 'mxfp8'):.2f}"]
         row.append(f"{report.byte_ratio:.4f}")

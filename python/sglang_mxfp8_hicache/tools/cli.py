@@ -1,8 +1,9 @@
 """``sglang-mxfp8-hicache``: check the install, size the host tier, time transfers.
 
-``check`` (the install, the hook in a fresh process, and on a GPU a
-byte-exact round trip with the real JIT kernels), ``size`` (each host pool SGLang builds for a model, read through its
-``ModelConfig``) and ``bench`` (L2 side by side; ``--l3 BACKEND``; ``--plot``).
+``check`` (the install, the hook in a fresh process, and on a GPU a byte-exact
+round trip with the real JIT kernels), ``size`` (each host pool SGLang builds
+for a model, read through its ``ModelConfig``) and ``bench`` (L2 side by side;
+``--l3 BACKEND``; ``--plot``).
 ``--help`` lists every flag. Bad input ends in one line on stderr and exit
 code 2, never a traceback: argparse types check each flag where it is parsed,
 :class:`~sglang_mxfp8_hicache.sizing.SizingError` a config.json or a geometry,
@@ -38,20 +39,8 @@ from sglang_mxfp8_hicache.sizing import (
     host_plan,
     read_model,
 )
-from sglang_mxfp8_hicache.tools.results import (
-    BENCH_GEOMETRIES,
-    BENCH_PAGES,
-    BENCH_REPEAT,
-    BENCH_SETUPS,
-    BENCH_WARMUP,
-    L3_BACKENDS,
-    L3_GEOMETRY,
-    L3_GOAL_FROM_PAGES,
-    L3_GOAL_RATIO,
-    L3_REPEAT,
-    L3_WARMUP,
-    Step,
-)
+from sglang_mxfp8_hicache.tools import results
+from sglang_mxfp8_hicache.tools.results import Step
 
 PROG = "sglang-mxfp8-hicache"
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
@@ -76,22 +65,6 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions keep their line breaks; every default is shown as its value
-    (a flag whose default needs words says it in its help)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        default, text = action.default, action.help or ""
-        if (
-            default in (None, (), argparse.SUPPRESS)
-            or default is False
-            or "default" in text
-        ):
-            return action.help
-        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-        return f"{text} (default: {shown})"
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
@@ -154,7 +127,7 @@ def _check_dispatch() -> tuple[str, str]:
 
     if is_disabled():
         return FAIL, f"{DISABLE_ENV} is set: SGLang keeps its own host pool"
-    code = f"from {__name__} import print_dispatch; print_dispatch()"
+    code = "from sglang_mxfp8_hicache.tools.cli import print_dispatch; print_dispatch()"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
     )
@@ -380,42 +353,28 @@ def _available_host_bytes() -> int | None:
 def _refuse_mixed_flags(args: argparse.Namespace) -> None:
     """Flags of the other kind of run: each names what it needs."""
     l3 = args.l3
-    conflicts = (
-        ("--ablations", args.ablations, l3 is None, "undoes L2 choices; not with --l3"),
-        ("--setup", args.setup, l3 is None, "builds L2 host pools; not with --l3"),
-        ("--drafts", args.drafts, l3 is None, "builds L2 host pools; not with --l3"),
-        (
-            "--l3-dir",
-            args.l3_dir,
-            l3 in ("file", "hf3fs", "nixl"),
-            f"is for --l3 file, hf3fs or nixl, not --l3 {l3}"
-            if l3
-            else "needs --l3 file, hf3fs or nixl",
-        ),
-        (
-            "--l3-config",
-            args.l3_config,
-            l3 in ("mooncake", "seaweedfs"),
-            f"is for --l3 mooncake or seaweedfs, not --l3 {l3}"
-            if l3
-            else "needs --l3 mooncake or seaweedfs",
-        ),
-    )
-    for flag, value, allowed, why in conflicts:
-        if value not in (None, ()) and not allowed:
-            raise UsageError(f"{flag} {why}")
+    l2_only = {"--ablations": args.ablations, "--setup": args.setup}
+    for flag, value in (l2_only | {"--drafts": args.drafts}).items():
+        if l3 is not None and value:
+            raise UsageError(f"{flag} is for the L2 bench, not with --l3")
+    for flag, value, backends in (
+        ("--l3-dir", args.l3_dir, ("file", "hf3fs", "nixl")),
+        ("--l3-config", args.l3_config, ("mooncake", "seaweedfs")),
+    ):
+        which = f"--l3 {' or '.join(backends)}"
+        if value is not None and l3 not in backends:
+            raise UsageError(
+                f"{flag} is for {which}, not --l3 {l3}"
+                if l3
+                else f"{flag} needs {which}"
+            )
     if l3 is None and args.drafts is not None and "draft" not in _setup_names(args):
         raise UsageError("--drafts needs --setup draft")
     if l3 is not None and args.geometries is not None and len(args.geometries) != 1:
-        raise UsageError(
-            f"--l3 takes one geometry, got {len(args.geometries)} in --geometries"
-        )
+        raise UsageError(f"--l3 takes one geometry, got {len(args.geometries)}")
     config = args.l3_config
     if l3 == "mooncake" and config and "master_server_address" not in config:
-        raise UsageError(
-            "--l3-config names no master_server_address, which SGLang's "
-            "MooncakeStore needs"
-        )
+        raise UsageError("--l3-config names no master_server_address (MooncakeStore's)")
 
 
 def _setup_names(args: argparse.Namespace) -> list[str]:
@@ -458,13 +417,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise UsageError("needs a CUDA GPU (the JIT transfer kernels)")
-    repeat = BENCH_REPEAT if args.repeat is None else args.repeat
+    repeat = results.BENCH_REPEAT if args.repeat is None else args.repeat
     rows = bench.run(
-        args.geometries or BENCH_GEOMETRIES,
+        args.geometries or results.BENCH_GEOMETRIES,
         args.pages,
         classes=bench.host_classes(args.ablations),
         setups=setups,
-        warmup=BENCH_WARMUP if args.warmup is None else args.warmup,
+        warmup=results.BENCH_WARMUP if args.warmup is None else args.warmup,
         repeat=repeat,
     )
     print(
@@ -473,7 +432,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     print_table(*bench.table(rows))
     print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
-    print_table(*bench.layer0_table(rows))
+    print_table(*bench.table(rows, layer0=True))
     if args.json_out:
         Path(args.json_out).write_bytes(bench.to_json(rows))
     missed = sum(not row.meets_goal() for row in rows)
@@ -501,10 +460,10 @@ def _bench_l3(args: argparse.Namespace) -> int:
         bench_l3.apply_plugin_hooks()
         report = bench_l3.run(
             args.l3,
-            args.geometries[0] if args.geometries else L3_GEOMETRY,
+            args.geometries[0] if args.geometries else results.L3_GEOMETRY,
             args.pages,
-            reps=L3_REPEAT if args.repeat is None else args.repeat,
-            warmup=L3_WARMUP if args.warmup is None else args.warmup,
+            reps=results.L3_REPEAT if args.repeat is None else args.repeat,
+            warmup=results.L3_WARMUP if args.warmup is None else args.warmup,
             l3_dir=args.l3_dir,
             l3_config=args.l3_config,
         )
@@ -517,7 +476,7 @@ def _bench_l3(args: argparse.Namespace) -> int:
     if missed := report.missed():
         cells = ", ".join(f"{p} pages {d} {r:.3f}x" for p, d, r in missed)
         print(
-            f"\nOver {L3_GOAL_RATIO}x payload-only from {L3_GOAL_FROM_PAGES} "
+            f"\nOver {results.L3_GOAL_RATIO}x payload-only from {results.L3_GOAL_FROM_PAGES} "
             f"pages: {cells}"
         )
     if args.json_out:
@@ -611,7 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="MXFP8 and FP4 KV scales in SGLang's hierarchical KV cache "
         "(HiCache):\ncheck the install, size the host tier, time the transfers.",
-        formatter_class=HelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"Run '{PROG} COMMAND --help' for the flags of a command.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -623,10 +582,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     def command(name: str, func, summary: str, description: str):
         cmd = sub.add_parser(
-            name, formatter_class=HelpFormatter, help=summary, description=description
+            name,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            help=summary,
+            description=description,
         )
         cmd.set_defaults(func=func)
-        return cmd.add_argument
+
+        def arg(*flags: str, **kwargs: Any) -> None:
+            if kwargs.get("default") not in (None, ()):  # shown as its value
+                kwargs["help"] += " (default: %(default)s)"
+            cmd.add_argument(*flags, **kwargs)
+
+        return arg
 
     arg = command(
         "check",
@@ -651,56 +619,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads and --head-dim.",
     )
     arg("--kv-cache-dtype", choices=list(FORMATS), default="mxfp8", help="the format")
-    arg("--page-size", **count, default=PAGE_SIZE, help="tokens per page (mxfp8: 128)")
-    arg(
-        "--config",
-        metavar="PATH",
-        help="the model's directory or config.json, read through SGLang's ModelConfig",
-    )
+    arg("--page-size", **count, default=PAGE_SIZE, help="tokens per page")
+    arg("--config", metavar="PATH", help="the model's directory or config.json")
     arg("--layers", **count, help="num_hidden_layers")
     arg("--kv-heads", **count, help="num_key_value_heads")
     arg("--head-dim", type=head_dim, metavar="N", help=SCALED_HEAD_DIMS)
     arg("--tp-size", **count, default=1, help="tensor parallel ranks")
-    arg(
-        "--device-tokens",
-        type=number(int, 1, 1 << 40),
-        metavar="N",
-        required=True,
-        help="the device KV pool's tokens (max_total_num_tokens; hybrids: the full pool)",
-    )
-    arg(
-        "--hicache-ratio",
-        type=number(float, 0, 1000),
-        metavar="R",
-        default=2.0,
-        help="host tokens per device token",
-    )
-    arg(
-        "--hicache-size",
-        type=number(int, 0, 1_000_000),
-        metavar="GB",
-        default=0,
-        help="host GB (1e9 B) per rank, overrides the ratio unless 0",
-    )
-    arg(
-        "--swa-full-tokens-ratio",
-        type=number(float, 0, 1, above=True),
-        metavar="R",
-        default=SWA_FULL_TOKENS_RATIO,
-        help="hybrid SWA models: SWA pool tokens per full pool token",
-    )
-    arg(
-        "--max-mamba-cache-size",
-        **count,
-        help="Mamba hybrids with --hicache-size: the device Mamba slots",
-    )
-    arg(
-        "--draft-layers",
-        type=non_negative_int,
-        metavar="N",
-        default=0,
-        help="packed MTP/NextN draft layers carried in the target's host pages",
-    )
+    tokens = dict(type=number(int, 1, 1 << 40), metavar="N", required=True)
+    arg("--device-tokens", **tokens, help="the device (full) pool's tokens")
+    ratio = dict(type=number(float, 0, 1000), metavar="R", default=2.0)
+    arg("--hicache-ratio", **ratio, help="host tokens per device token")
+    gb = dict(type=number(int, 0, 1_000_000), metavar="GB", default=0)
+    arg("--hicache-size", **gb, help="host GB (1e9 B) per rank; 0: use the ratio")
+    swa = dict(type=number(float, 0, 1, above=True), metavar="R")
+    swa["help"] = "hybrid SWA: SWA pool tokens per full pool token"
+    arg("--swa-full-tokens-ratio", **swa, default=SWA_FULL_TOKENS_RATIO)
+    arg("--max-mamba-cache-size", **count, help="Mamba slots (with --hicache-size)")
+    drafts = dict(type=non_negative_int, metavar="N", default=0)
+    arg("--draft-layers", **drafts, help="packed MTP/NextN draft layers")
     arg("--gpus-per-node", **count, default=8, help="ranks on one host")
     arg("--json", **switch, help="print the plan as JSON")
 
@@ -716,10 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
         "refuses a setup shows 'refused'.\n\n"
         "--l3 BACKEND: put and get of MXFP8 and of payload-only pages through\n"
         "that L3 backend, as SGLang's cache controller moves them. Goal: MXFP8\n"
-        f"at most {L3_GOAL_RATIO}x payload-only from {L3_GOAL_FROM_PAGES} pages. "
+        f"at most {results.L3_GOAL_RATIO}x payload-only from {results.L3_GOAL_FROM_PAGES} pages. "
         "Exit 1 if L3 loses or\nchanges a page.",
     )
-    geometries = ",".join("x".join(map(str, g)) for g in BENCH_GEOMETRIES)
+    geometries = ",".join("x".join(map(str, g)) for g in results.BENCH_GEOMETRIES)
     arg(
         "--geometries",
         type=comma_list(
@@ -728,70 +664,40 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         metavar="HxD[xL],...",
         help=f"layers default to {BENCH_LAYERS} (default: {geometries}; --l3: one, "
-        f"{'x'.join(map(str, L3_GEOMETRY))})",
+        f"{'x'.join(map(str, results.L3_GEOMETRY))})",
     )
+    pages = comma_list(positive_int, "positive integers, comma separated")
     arg(
         "--pages",
-        type=comma_list(positive_int, "positive integers, comma separated"),
+        type=pages,
         metavar="N,...",
-        default=BENCH_PAGES,
-        help="pages per transfer",
+        default=results.BENCH_PAGES,
+        help="per transfer",
     )
-    arg(
-        "--setup",
-        type=comma_list(name, "setup names, comma separated"),
-        action="append",
-        metavar="NAME,...",
-        help=f"{', '.join(BENCH_SETUPS)} (default: page_first)",
-    )
+    names = dict(type=comma_list(name, "names, comma separated"), metavar="NAME,...")
+    setups = f"{', '.join(results.BENCH_SETUPS)} (default: page_first)"
+    arg("--setup", **names, action="append", help=setups)
     arg("--drafts", **count, help="--setup draft: draft pools (default: 1)")
-    arg(
-        "--ablations",
-        type=comma_list(name, "names, comma separated"),
-        metavar="NAME,...",
-        default=(),
-        help="extra columns: ours with one design choice undone (tools/ablations.py)",
-    )
-    arg(
-        "--warmup",
-        type=non_negative_int,
-        metavar="N",
-        help=f"untimed rounds (default: {BENCH_WARMUP}; --l3: {L3_WARMUP})",
-    )
-    arg(
-        "--repeat",
-        **count,
-        help=f"timed rounds, median counts (default: {BENCH_REPEAT}; --l3: {L3_REPEAT})",
-    )
+    arg("--ablations", **names, default=(), help="ours with one choice undone")
+    rounds = f"(default: {results.BENCH_WARMUP}; --l3: {results.L3_WARMUP})"
+    arg("--warmup", type=non_negative_int, metavar="N", help=f"untimed rounds {rounds}")
+    rounds = f"(default: {results.BENCH_REPEAT}; --l3: {results.L3_REPEAT})"
+    arg("--repeat", **count, help=f"timed rounds, the median counts {rounds}")
     arg("--check", **switch, help="exit 1 if a cell misses its goal")
     arg("--json-out", type=json_out_path, metavar="PATH", help="write JSON here")
+    arg("--plot", type=json_out_path, metavar="PNG", help="draw --from's runs")
+    files = comma_list(existing_file, "existing files, comma separated")
+    arg("--from", dest="plot_from", type=files, metavar="JSON,...", help="for --plot")
     arg(
-        "--plot",
-        type=json_out_path,
-        metavar="PNG",
-        help="draw --from's runs instead of timing (matplotlib, no GPU)",
+        "--l3",
+        choices=results.L3_BACKENDS,
+        metavar="BACKEND",
+        help=", ".join(results.L3_BACKENDS),
     )
-    arg(
-        "--from",
-        dest="plot_from",
-        type=comma_list(existing_file, "existing files, comma separated"),
-        metavar="JSON,...",
-        help="--plot: --json-out files of earlier runs",
-    )
-    arg("--l3", choices=L3_BACKENDS, metavar="BACKEND", help=", ".join(L3_BACKENDS))
-    arg(
-        "--l3-dir",
-        type=existing_dir,
-        metavar="DIR",
-        help="--l3 file, hf3fs, nixl: the parent of the bench's own directory "
-        "(default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the temp dir)",
-    )
-    arg(
-        "--l3-config",
-        type=json_object,
-        metavar="JSON",
-        help="--l3 mooncake, seaweedfs: the extra config of a running service",
-    )
+    where = "(default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the temp dir)"
+    arg("--l3-dir", type=existing_dir, metavar="DIR", help=f"file, hf3fs, nixl {where}")
+    service = "mooncake, seaweedfs: the extra config of a running service"
+    arg("--l3-config", type=json_object, metavar="JSON", help=service)
     return parser
 
 

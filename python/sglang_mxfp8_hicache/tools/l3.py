@@ -32,9 +32,8 @@ FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 
 
 @dataclass(frozen=True)
-class LocalBackend:
-    """A backend's extra config and the environment it reads, for a run with
-    its data under one directory."""
+class BackendConfig:
+    """A backend's extra config and the environment it reads when built."""
 
     extra_config: dict[str, Any]
     env: dict[str, str | None]
@@ -64,45 +63,34 @@ def local_backend(
     root: str,
     *,
     size_bytes: float = 1 << 30,
-    hf3fs_metadata_url: str | None = None,
-) -> LocalBackend:
+    hf3fs: dict[str, Any] | None = None,
+) -> BackendConfig:
     """How to run ``backend`` (one of ``LOCAL_BACKENDS``) with its data under
     ``root``, an existing directory:
 
     * ``file``: SGLang's ``HiCacheFile`` in ``root``;
     * ``hf3fs``: SGLang's ``HiCacheHF3FS`` with its own mock of the 3FS usrbio
       client (a sparse file of ``size_bytes``, pread/pwrite at fixed slots) and
-      in-process metadata, or SGLang's metadata server at
-      ``hf3fs_metadata_url``; the real client needs a mounted 3FS;
+      in-process metadata (``hf3fs``: more of its config, e.g. the
+      ``metadata_server_url`` of SGLang's server); the real client needs 3FS;
     * ``nixl``: SGLang's ``HiCacheNixl`` with a NIXL agent and its POSIX file
       plugin, buffered (a page part of ours is not a 4 KiB multiple, which
       O_DIRECT needs), without the cleaner thread that deletes old files.
     """
     if backend == "file":
-        return LocalBackend({"file_storage_path": root}, {FILE_DIR_ENV: None})
+        return BackendConfig({"file_storage_path": root}, {FILE_DIR_ENV: None})
     if backend == "hf3fs":
         config = os.path.join(root, "hf3fs.json")
+        settings = dict(file_path_prefix=os.path.join(root, "kv"), numjobs=2)
+        settings.update(file_size=max(int(size_bytes), 1 << 30), entries=8)
         with open(config, "w") as f:
-            json.dump(
-                {
-                    "file_path_prefix": os.path.join(root, "kv"),
-                    "file_size": max(int(size_bytes), 1 << 30),
-                    "numjobs": 2,
-                    "entries": 8,
-                    **(
-                        {"metadata_server_url": hf3fs_metadata_url}
-                        if hf3fs_metadata_url
-                        else {}
-                    ),
-                },
-                f,
-            )
-        return LocalBackend(
+            json.dump(settings | (hf3fs or {}), f)
+        return BackendConfig(
             {"use_mock_hf3fs_client": True},
             {"SGLANG_HICACHE_HF3FS_CONFIG_PATH": config},
         )
     if backend == "nixl":
-        return LocalBackend(
+        return BackendConfig(
             {"use_direct_io": False, "l3_cleaner_enabled": False},
             {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": root},
         )

@@ -38,12 +38,11 @@ def build_device_pool(
     kv_cache_dtype: str = "mxfp8",
     quant_method=None,
 ) -> MHATokenToKVPoolMXFP8:
-    """The device pool SGLang builds for ``kv_cache_dtype`` (``mxfp8``, or an
-    FP4 recipe: ``MHATokenToKVPool`` with that quant method, as the
-    configurator builds it; ``quant_method``: one configured otherwise, see
-    :func:`fp4_quant_method`), or with ``payload_dtype`` its plain MHA pool of
-    that dtype (no scales); page 0 is its padding page."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    """The device pool SGLang's configurator builds for ``kv_cache_dtype``
+    (an FP4 recipe: ``MHATokenToKVPool`` with its quant method, or
+    ``quant_method``), or with ``payload_dtype`` a plain MHA pool of that dtype;
+    page 0 is its padding page."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
     common = dict(
         size=pages * page_size,
@@ -57,54 +56,15 @@ def build_device_pool(
     )
     if payload_dtype is not None:
         return MHATokenToKVPool(dtype=payload_dtype, **common)
-    recipe = device_pool_recipe(
-        kv_cache_dtype,
-        layer_num=layer_num,
-        page_size=page_size,
-        device=device,
-        quant_method=quant_method,
-    )
-    return recipe.pool_class(
-        dtype=recipe.dtype, quant_method=recipe.quant_method, **common
-    )
-
-
-@dataclass(frozen=True)
-class DevicePoolRecipe:
-    """What SGLang's configurator gives the MHA pool of a ``--kv-cache-dtype``,
-    alone or as the full attention pool of a hybrid (``HybridLinearKVPool``
-    takes the same three)."""
-
-    pool_class: type
-    dtype: torch.dtype
-    quant_method: object | None
-
-
-def device_pool_recipe(
-    kv_cache_dtype: str,
-    *,
-    layer_num: int,
-    page_size: int,
-    device: str,
-    quant_method=None,
-) -> DevicePoolRecipe:
-    """``mxfp8``: ``MHATokenToKVPoolMXFP8`` over fp8; an FP4 recipe:
-    ``MHATokenToKVPool`` over packed e2m1 with the recipe's quant method
-    (``quant_method``, else :func:`fp4_quant_method`)."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
-
     if kv_cache_dtype == "mxfp8":
-        return DevicePoolRecipe(MHATokenToKVPoolMXFP8, torch.float8_e4m3fn, None)
+        return MHATokenToKVPoolMXFP8(dtype=torch.float8_e4m3fn, **common)
     if quant_method is None:
         quant_method = fp4_quant_method(
             kv_cache_dtype, layer_num=layer_num, page_size=page_size, device=device
         )
-    return DevicePoolRecipe(MHATokenToKVPool, torch.float4_e2m1fn_x2, quant_method)
-
-
-FP4_ATTENTION_BACKENDS = ("flashinfer", "flashinfer")
-"""(prefill, decode) an FP4 pool is configured for: nvfp4's per-token scales
-(its FlashInfer access); fp4_mx_block16 has per-token scales for every backend."""
+    return MHATokenToKVPool(
+        dtype=torch.float4_e2m1fn_x2, quant_method=quant_method, **common
+    )
 
 
 def fp4_quant_method(
@@ -113,14 +73,13 @@ def fp4_quant_method(
     layer_num: int,
     page_size: int,
     device: str,
-    backends: tuple[str, str] = FP4_ATTENTION_BACKENDS,
+    backends: tuple[str, str] = ("flashinfer", "flashinfer"),
     **method_kwargs,
 ):
-    """SGLang's quant method for an FP4 recipe, configured as the
-    configurator does for the (prefill, decode) ``backends``
-    (``_build_fp4_quant_method``, less the checkpoint's scales: nvfp4's
-    per-layer global scales stay 1); ``method_kwargs`` go to the recipe's
-    constructor (nvfp4: ``native_scale_layout``, SM100's on other GPUs)."""
+    """SGLang's quant method for an FP4 recipe, configured as the configurator
+    does for the (prefill, decode) ``backends`` (FlashInfer: nvfp4's per-token
+    scales), less the checkpoint's scales (nvfp4's global scales stay 1);
+    ``method_kwargs`` go to its constructor (nvfp4: ``native_scale_layout``)."""
     from sglang.srt.layers.quantization.fp4_kv_cache_quant_method import (
         get_kv_cache_quant_method,
     )
@@ -243,6 +202,8 @@ def synchronize(device: torch.device | str) -> None:
 
 @dataclass(frozen=True)
 class RoundTripResult:
+    """What :func:`round_trip` found, and how long each direction took."""
+
     pages: int
     payload_restored: bool
     scales_restored: bool

@@ -1,10 +1,7 @@
-"""Typed results the tools write and read, as msgspec structs: ``check``'s
-steps, the e2e verdicts, the L2 bench's rows and the L3 bench's report.
-
-The writer and every reader (the CLI, ``bench --plot``, the tests, the JSON
-files under ``docs/data``) share these types, so a field is named once. The
-module imports no torch: ``--help`` and ``bench --plot`` start at once.
-"""
+"""Typed results (msgspec) the tools write and every reader shares (the CLI,
+``bench --plot``, the tests, the JSON under ``docs/data``): ``check``'s steps,
+the L2 bench's rows, the L3 bench's report; and what a run covers by default.
+No torch here: ``--help`` and ``bench --plot`` start at once."""
 
 from __future__ import annotations
 
@@ -14,19 +11,11 @@ import msgspec
 
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
 
-# What a bench run covers unless told otherwise: here, not in the benches,
-# so that the CLI's --help shows them without importing torch.
 BENCH_GEOMETRIES = ((1, 128, 8), (8, 128, 8), (32, 128, 8), (8, 128, 80))
 """(KV heads, head_dim, layers)."""
 BENCH_PAGES = (1, 4, 16, 64, 256, 1024)
-BENCH_SETUPS = (
-    "page_first",
-    "draft",
-    "layer_first",
-    "direct",
-    "page_head",
-    *FP4_FORMAT_NAMES,
-)
+BENCH_SETUPS = ("page_first", "draft", "layer_first", "direct", "page_head")
+BENCH_SETUPS += FP4_FORMAT_NAMES
 """The host pool setups of ``bench --setup`` (``bench.setups`` builds them)."""
 L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs")
 """What ``bench --l3`` times; seaweedfs only against a running gateway."""
