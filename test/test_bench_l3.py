@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
 from sglang_mxfp8_hicache import storage
-from sglang_mxfp8_hicache.tools import bench_l3
+from sglang_mxfp8_hicache.tools import bench_l3, results
 from test_cli import MASTER, run_cli  # the CLI tests' runner and master config
 
 TINY = (1, 128, 2)
@@ -26,12 +27,12 @@ TINY = (1, 128, 2)
 TINY_PAGE = {"mxfp8": 2 * (32768 + 1024 + 128), "payload": 2 * 32768}
 
 
-def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> bench_l3.Report:
+def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> results.Report:
     """A report of 1 and 64 pages; the 64-page cell's MXFP8 times are the ratios."""
 
-    def cell(pages: int, put: float, get: float) -> bench_l3.Cell:
+    def cell(pages: int, put: float, get: float) -> results.Cell:
         base = 1e-3 * pages
-        return bench_l3.Cell(
+        return results.Cell(
             pages,
             {
                 "put": {"mxfp8": [put * base] * 3, "payload": [base] * 3},
@@ -40,7 +41,7 @@ def fake_report(put_ratio: float = 1.0, get_ratio: float = 1.0) -> bench_l3.Repo
             {"mxfp8": 1056, "payload": 1024},
         )
 
-    return bench_l3.Report(
+    return results.Report(
         backend="file",
         store="/somewhere",
         geometry=(8, 128, 4),
@@ -74,16 +75,16 @@ def fake_run(monkeypatch) -> SimpleNamespace:
 def test_arguments_reach_run(fake_run, tmp_path, capsys):
     assert run_cli(["bench", "--l3", "file"], capsys)[0] == 0
     backend, geometry, pages, kwargs = fake_run.calls[-1]
-    assert (backend, geometry, pages) == ("file", bench_l3.GEOMETRY, bench_l3.PAGES)
+    assert (backend, geometry, pages) == ("file", results.L3_GEOMETRY, results.L3_PAGES)
     assert (kwargs["reps"], kwargs["warmup"]) == (5, 1)
-    assert kwargs["l3_dir"] is None and kwargs["mooncake_config"] is None
+    assert kwargs["l3_dir"] is None and kwargs["l3_config"] is None
     argv = ["bench", "--l3", "mooncake", "--geometries", "4x64", "--pages", "2,8"]
-    argv += ["--repeat", "3", "--warmup", "0", "--mooncake-config", MASTER]
+    argv += ["--repeat", "3", "--warmup", "0", "--l3-config", MASTER]
     assert run_cli(argv, capsys)[0] == 0
     backend, geometry, pages, kwargs = fake_run.calls[-1]
     assert (backend, geometry, pages) == ("mooncake", (4, 64, 8), (2, 8))
     assert (kwargs["reps"], kwargs["warmup"]) == (3, 0)
-    assert kwargs["mooncake_config"] == json.loads(MASTER)
+    assert kwargs["l3_config"] == json.loads(MASTER)
     argv = ["bench", "--l3", "file", "--l3-dir", str(tmp_path)]
     assert run_cli(argv, capsys)[0] == 0
     assert fake_run.calls[-1][3]["l3_dir"] == str(tmp_path)
@@ -112,11 +113,11 @@ def test_table_and_exit_code(flags, ratios, code, fake_run, tmp_path, capsys):
     # 64 pages in 64 ms: 1000 pages/s, 1.056 GB/s of MXFP8 pages at ratio 1.
     assert sixty_four[0] == "64" and sixty_four[-2] == "1.0312"
     assert sixty_four[3] == f"{ratios[0]:.3f}" and sixty_four[6] == f"{ratios[1]:.3f}"
-    missed = max(ratios) > bench_l3.GOAL_RATIO
+    missed = max(ratios) > results.L3_GOAL_RATIO
     assert sixty_four[-1] == ("NO" if missed else "yes")
     assert ("Over 1.05x payload-only from 64 pages: 64 pages" in out) == missed
     data = json.loads(out_file.read_text())
-    assert data["byte_ratio"] == 1056 / 1024 and data["device"] == "Fake GPU"
+    assert data["byte_ratio"] == 1056 / 1024 and data["meta"]["device"] == "Fake GPU"
     assert [c["met"] for c in data["cells"]] == [None, not missed]
     assert err == (
         "sglang-mxfp8-hicache bench: 1 of 2 cells miss their goal\n" if code else ""
@@ -141,22 +142,16 @@ def test_failure_is_one_line(error, code, fake_run, capsys):
     assert len(err.splitlines()) == 1 and str(error) in err, err
 
 
-def test_mooncake_missing_is_one_line(monkeypatch, capsys):
-    """Said before any host pool is built (pools of GBs, pinned)."""
-    from sglang_mxfp8_hicache.tools import mooncake_loopback
-
+def test_service_without_config_is_one_line(monkeypatch, capsys):
+    """Mooncake and SeaweedFS are timed against a running service only; said
+    before any host pool is built (pools of GBs, pinned)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_l3, "apply_plugin_hooks", lambda: None)
-    monkeypatch.setattr(
-        mooncake_loopback, "mooncake_available", lambda: "no libibverbs"
-    )
     monkeypatch.setattr(bench_l3, "build_pools", pytest.fail)
-    code, out, err = run_cli(["bench", "--l3", "mooncake"], capsys)
-    assert (code, out) == (2, "")
-    assert (
-        err
-        == "sglang-mxfp8-hicache bench: error: Mooncake cannot run here: no libibverbs\n"
-    )
+    for backend in ("mooncake", "seaweedfs"):
+        code, out, err = run_cli(["bench", "--l3", backend], capsys)
+        assert (code, out) == (2, "")
+        assert f"--l3 {backend} needs --l3-config" in err and len(err.splitlines()) == 1
 
 
 # -- real runs on the CPU ------------------------------------------------------
@@ -177,24 +172,25 @@ def storage_hooks(monkeypatch):
     )
 
 
-def tiny_run(backend: str, **kwargs) -> bench_l3.Report:
+def tiny_run(backend: str, **kwargs) -> results.Report:
     return bench_l3.run(
         backend, TINY, (1, 2), reps=1, device="cpu", pin_memory=False, **kwargs
     )
 
 
-def check_report(report: bench_l3.Report) -> None:
+def check_report(report: results.Report) -> None:
     assert [c.pages for c in report.cells] == [1, 2]
     assert report.page_bytes == TINY_PAGE
     assert report.byte_ratio == TINY_PAGE["mxfp8"] / TINY_PAGE["payload"]
     assert report.format_tag.startswith("mxfp8v3-l2h1d128p128")
     for cell in report.cells:
-        for d in bench_l3.DIRECTIONS:
-            for pool in bench_l3.POOLS:
+        for d in results.L3_DIRECTIONS:
+            for pool in results.L3_POOLS:
                 assert len(cell.seconds[d][pool]) == 1
                 assert cell.ms(d, pool) > 0 and cell.gb_per_s(d, pool) > 0
     data = json.loads(report.to_json())
-    assert data["sglang_version"] == "0.5.23" and data["geometry"]["layers"] == 2
+    assert msgspec.json.decode(report.to_json(), type=results.Report) == report
+    assert data["meta"]["sglang_version"] == "0.5.23" and data["geometry"][2] == 2
     assert len(data["cells"]) == 2 and data["cells"][0]["met"] is None
 
 
@@ -214,17 +210,17 @@ def test_local_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch, backend):
     assert signal.getsignal(signal.SIGINT) is handler
 
 
-def test_seaweedfs_run(cpu_kernels, storage_hooks):
-    """A SeaweedFS server started for the run and stopped after it."""
-    check_report(tiny_run("seaweedfs"))
+def test_seaweedfs_run(cpu_kernels, storage_hooks, seaweedfs):
+    """Against the session's loopback gateway, as with --l3-config."""
+    check_report(tiny_run("seaweedfs", l3_config=seaweedfs.extra_config()))
 
 
 def test_mooncake_run(cpu_kernels, storage_hooks, mooncake):
     """Against a running master (the session's loopback one), as with
-    --mooncake-config: what the run stored is removed, so the store's other
+    --l3-config: what the run stored is removed, so the store's other
     objects are left alone and a second run's puts are not skipped."""
     for _ in range(2):
-        check_report(tiny_run("mooncake", mooncake_config=mooncake.extra_config()))
+        check_report(tiny_run("mooncake", l3_config=mooncake.extra_config()))
 
 
 def test_wrong_bytes_fail_the_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch):
