@@ -1,9 +1,12 @@
-"""The core a server imports never imports the tools a person runs."""
+"""The core a server imports never imports the tools a person runs, no module
+imports another in a circle, and the toolbox stays small."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 CORE = (
     "plugin",
@@ -32,3 +35,53 @@ def test_core_imports_no_tools():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+PACKAGE = Path(__file__).parent.parent / "python" / "sglang_mxfp8_hicache"
+TOOLS_LINE_BUDGET = 2500
+
+
+def _imports(path: Path) -> set[str]:
+    """The package modules ``path`` imports anywhere (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.startswith("sglang_mxfp8_hicache.")}
+    return found
+
+
+def test_no_module_imports_another_in_a_circle():
+    """Every import of the package, lazy ones included, forms no cycle."""
+    paths = {
+        "sglang_mxfp8_hicache."
+        + ".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph = {name: _imports(path) & paths.keys() for name, path in paths.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, " -> ".join((*path, name))
+        if name not in done:
+            for imported in graph[name]:
+                visit(imported, (*path, name))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+    core = {n for n in graph if ".tools." not in n}
+    assert not {i for n in core for i in graph[n] if ".tools." in i}
+
+
+def test_tools_stay_small():
+    """The toolbox is at most 2,500 lines: what only tests use lives in test/."""
+    lines = sum(
+        len(p.read_text().splitlines()) for p in (PACKAGE / "tools").glob("*.py")
+    )
+    assert lines <= TOOLS_LINE_BUDGET, lines

@@ -1,9 +1,6 @@
-"""Our host pool with one design choice undone, for ``bench --ablations``.
-
-Each class moves the same bytes as :class:`MHATokenToKVPoolMXFP8Host` (the
-tests round-trip every one of them); the bench times them side by side to show
-what each choice is worth.
-"""
+"""Our host pool with one design choice undone, for ``bench --ablations``: the
+same bytes (the tests round-trip each), timed beside ours to show what the
+choice is worth."""
 
 from __future__ import annotations
 

@@ -326,23 +326,25 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
             f"Mamba state: {plan.mamba_state_bytes} B per request slot per rank, "
             "in SGLang's own Mamba host pool beside these"
         )
-    available = _available_host_bytes()
-    if available is not None and plan.host_bytes_per_node > available:
-        print(
-            f"warning: a node's host tier is more than this machine's available "
-            f"memory ({_gb(available)}); SGLang refuses a host pool that does "
-            "not fit when it allocates"
-        )
+    budget = _host_budget_per_rank(plan.ranks_per_node)
+    if budget is not None:
+        print(f"SGLang's host budget per rank on this machine: {_gb(budget)}")
+        if plan.host_bytes > budget:
+            print(
+                "warning: SGLang refuses a host pool over its budget when it allocates"
+            )
     for warning in plan.warnings:
         print(f"warning: {warning}")
 
 
-def _available_host_bytes() -> int | None:
-    """What SGLang would find free on this machine (``available_host_memory_bytes``)."""
+def _host_budget_per_rank(ranks: int) -> int | None:
+    """SGLang's ``host_memory_budget_bytes`` here for ``ranks`` ranks on a node:
+    the available memory (cgroup limits included) less its reserve, split."""
     try:
-        from sglang.srt.mem_cache.host_memory import available_host_memory_bytes
-
-        return int(available_host_memory_bytes())
+        host_memory = _import_quietly("sglang.srt.mem_cache.host_memory")
+        reserve = _import_quietly("sglang.srt.mem_cache.pool_host.base")
+        free = host_memory.available_host_memory_bytes(allow_cgroup_fallback=True)
+        return max(free - reserve.HICACHE_HOST_MEMORY_RESERVE_BYTES, 0) // ranks
     except Exception:  # sizing still answers where SGLang cannot tell
         return None
 
@@ -381,15 +383,15 @@ def _setup_names(args: argparse.Namespace) -> list[str]:
     return [name for group in args.setup or [("page_first",)] for name in group]
 
 
-def _import_bench(module: str) -> Any:
-    """``bench`` or ``bench_l3``, which import torch and SGLang (seconds): only a
-    run pays for that. Without CUDA SGLang's import warns about quantization
-    kernels a bench never uses; the line that says why it stops stands alone."""
+def _import_quietly(module: str) -> Any:
+    """Imported only when needed (torch and SGLang take seconds). Without CUDA
+    SGLang's import warns about quantization kernels none of this uses; the
+    line that says what happened stands alone."""
     import importlib
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return importlib.import_module(f"sglang_mxfp8_hicache.tools.{module}")
+        return importlib.import_module(module)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -404,7 +406,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _refuse_mixed_flags(args)
     if args.l3 is not None:
         return _bench_l3(args)
-    bench = _import_bench("bench")
+    bench = _import_quietly("sglang_mxfp8_hicache.tools.bench")
     if unknown := sorted(set(args.ablations) - set(bench.ABLATIONS)):
         raise UsageError(
             f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
@@ -448,7 +450,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_l3(args: argparse.Namespace) -> int:
     """Host pools or a service that cannot be had is exit 2, pages that L3
     loses or changes exit 1."""
-    bench_l3 = _import_bench("bench_l3")
+    bench_l3 = _import_quietly("sglang_mxfp8_hicache.tools.bench_l3")
     import torch
 
     if not torch.cuda.is_available():

@@ -36,9 +36,6 @@ class Step(msgspec.Struct, frozen=True):
     detail: str
 
 
-# -- bench (L2) -----------------------------------------------------------------
-
-
 class Goal(msgspec.Struct, frozen=True):
     """Ours over column ``to`` at most ``limit``, for batches of ``pages`` up
     to ``up_to`` (whole transfers, or the wait for layer 0 of a load)."""
@@ -154,8 +151,6 @@ class BenchRun(msgspec.Struct):
         run = msgspec.structs.asdict(self) | {"rows": rows}
         return msgspec.json.format(msgspec.json.encode(run), indent=1)
 
-
-# -- bench --l3 -----------------------------------------------------------------
 
 L3_POOLS = ("mxfp8", "payload")
 L3_DIRECTIONS = ("put", "get")
