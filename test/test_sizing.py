@@ -105,10 +105,10 @@ DENSE = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
     [
         (["--hicache-size", "1e30"], "--hicache-size: must be an integer >= 0"),
         (["--hicache-size", "0.5"], "--hicache-size: must be an integer >= 0"),
-        (["--hicache-size", "10000000"], "at most 1000000 GB per rank"),
-        (["--hicache-ratio", "1e30"], "at most 1000 host tokens per device token"),
-        (["--device-tokens", str(1 << 41)], "at most"),
-        (["--swa-full-tokens-ratio", "1.5"], "must be in (0, 1]"),
+        (["--hicache-size", "10000000"], "an integer >= 0 and <= 1000000, got"),
+        (["--hicache-ratio", "1e30"], "a finite number >= 0 and <= 1000, got"),
+        (["--device-tokens", str(1 << 41)], f"<= {1 << 40}"),
+        (["--swa-full-tokens-ratio", "1.5"], "a finite number > 0 and <= 1, got"),
     ],
     ids=["size_1e30", "size_float", "size_huge", "ratio_huge", "tokens_huge", "swa"],
 )
