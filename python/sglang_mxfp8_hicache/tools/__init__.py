@@ -1,5 +1,5 @@
-"""The tools a person runs: the CLI, the benchmark, the end-to-end and self checks.
+"""The tools a person runs: ``check``, ``size`` and ``bench`` (L2 and L3).
 
-The runtime core (plugin, host pool, geometry, kernel wrapper, sizing) never
-imports this package; a server loads none of it.
+The core a server imports never imports this package; what only the tests use
+(kernel emulation, the end-to-end harness, loopback services) is in ``test/``.
 """

@@ -398,9 +398,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if (args.plot is None) != (args.plot_from is None):
         raise UsageError("--plot and --from go together")
     if args.plot is not None:
-        from sglang_mxfp8_hicache.tools.bench import plot
-
-        plot(args.plot_from, args.plot)
+        bench = _import_quietly("sglang_mxfp8_hicache.tools.bench")
+        bench.plot(args.plot_from, args.plot)
         print(f"wrote {args.plot}")
         return 0
     _refuse_mixed_flags(args)
