@@ -578,11 +578,12 @@ def _plant_hf3fs(io: StoragePageIO, key: str, fault: str) -> None:
             f.write(data)
 
 
-def _plant_nixl(io: StoragePageIO, key: str, fault: str) -> None:
+def _plant_nixl(io: StoragePageIO, key: str, fault: str, other: str) -> None:
     """NIXL keeps a page's K and V parts in two files (page_first):
     ``stale_tail`` overwrites the first half of the K file in place, as a
     smaller object rewritten under the key does (NIXL opens without O_TRUNC);
-    ``other_page`` copies another page's files over its own."""
+    ``other_page`` copies page ``other``'s files over its own (a page nothing
+    plants: two planted pages copying each other would end as they began)."""
     backend = io.storage_backend
     [k_path, v_path] = storage.nixl_page_paths(backend, [key])
     if fault == "missing":
@@ -591,17 +592,8 @@ def _plant_nixl(io: StoragePageIO, key: str, fault: str) -> None:
         return
     size = os.path.getsize(k_path)
     if fault == "other_page":
-        root = os.path.dirname(os.path.dirname(k_path))  # above the buckets
-        other_k = min(
-            os.path.join(d, f)
-            for d, _, files in os.walk(root)
-            for f in files
-            if f.endswith("_k") and os.path.join(d, f) != k_path
-        )
-        other_v = backend.file_manager.get_file_path(
-            os.path.basename(other_k)[:-2] + "_v"
-        )
-        for source, target in ((other_k, k_path), (other_v, v_path)):
+        other_paths = storage.nixl_page_paths(backend, [other])
+        for source, target in zip(other_paths, (k_path, v_path), strict=True):
             with open(source, "rb") as f, open(target, "wb") as g:
                 g.write(f.read())
         return
@@ -626,15 +618,16 @@ def _plant_seaweedfs(io: StoragePageIO, key: str, fault: str) -> None:
     backend._s3.put_object(**target, Body=os.urandom(new_size[fault]))
 
 
-def _plant(io: StoragePageIO, key: str, fault: str) -> None:
+def _plant(io: StoragePageIO, key: str, fault: str, other: str = "") -> None:
     """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
     64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
-    heads (both objects), ``missing`` the page, ``missing_part`` its V object."""
+    heads (both objects), ``missing`` the page, ``missing_part`` its V object,
+    ``other_page`` another page's (NIXL: page ``other``'s)."""
     if io.backend_name == "hf3fs":
         _plant_hf3fs(io, key, fault)
         return
     if io.backend_name == "nixl":
-        _plant_nixl(io, key, fault)
+        _plant_nixl(io, key, fault, other)
         return
     if io.backend_name == "seaweedfs":
         _plant_seaweedfs(io, key, fault)
@@ -731,7 +724,7 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=6)
     stored = Stored(open_io(host), pages=6, seed=11)
     for key in stored.hashes[2:4]:
-        _plant(stored.io, key, fault)
+        _plant(stored.io, key, fault, other=stored.hashes[0])
     hits = stored.io.hit_query(stored.tokens)
     expected_hits = 2 if fault in ("missing", "missing_part") else 6
     assert hits == stored.hashes[:expected_hits]
