@@ -13,6 +13,26 @@ from kernel_emulation import EmulatedKernels  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+SOAK_FIGURES: list[str] = []
+"""The soak runs' figures (``test_soak``), printed at the end of the session."""
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--soak-seconds",
+        type=float,
+        default=20.0,
+        help="how long each soak run drives the cache (test_soak.py)",
+    )
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SOAK_FIGURES:
+        terminalreporter.section("soak figures")
+        for line in SOAK_FIGURES:
+            terminalreporter.write_line(line)
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

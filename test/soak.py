@@ -1,0 +1,632 @@
+"""A seeded soak of the host pool through the scheduler's own radix cache.
+
+Builds the tree cache the scheduler builds for ``--enable-hierarchical-cache``
+(``registry.create_tree_cache`` over ``CacheInitParams``: SGLang's paged
+allocator, ``ReqToTokenPool``, assembler and ``HybridCacheController``, with
+the plugin's host pool) over a real MXFP8 device pool, and drives it as
+``Scheduler.event_loop_normal`` does: requests whose token ids share prefixes
+in a Zipf-like mix arrive (with L3, ``prefetch_from_storage`` at arrival),
+are matched and admitted (host hits loaded back with ``init_load_back`` /
+``ready_to_load_host_cache``, L3 hits through ``check_prefetch_progress``),
+extended, decoded token by token, checkpointed and released, while device and
+host pressure evict; ``check_hicache_events`` opens every step and
+``flush_pending_backups`` closes it. With L3, every ``--flush-every`` steps the
+device and host tiers are emptied and overwritten (``flush_cache``), so that
+later hits come from L3.
+
+The shadow: the KV bytes of a token (payload and scales, K and V, every layer)
+are a function of its whole prefix, row ``h`` of a random table where ``h`` is
+the prefix's rolling hash, as a model's KV is a function of its prefix. Every
+prefix the cache serves (device hits, pages loaded back from host, pages from
+L3) is compared with it at admission, and every request's whole row when it
+finishes (pages no transfer should have touched). A mismatch is counted, not
+raised, so a run reports them all; every wait is bounded and a wait that runs
+out counts as a hang.
+
+    python test/soak.py --seconds 60 --seed 0 [--write-policy write_back]
+        [--l3 file] [--core python|rust]
+
+One process per run (the plugin hook is process-wide); on a machine without
+CUDA the kernels are emulated (``kernel_emulation``). Prints one JSON line,
+:class:`SoakFigures`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from array import array
+from types import SimpleNamespace
+
+import msgspec
+import torch
+
+PAGE, HEADS, HEAD_DIM, LAYERS = 128, 2, 128, 2
+DEVICE_PAGES, HICACHE_RATIO = 16, 2.0
+DOCUMENTS, DOCUMENT_PAGES, ZIPF = 8, 6, 1.1
+MAX_RUNNING, MAX_NEW_TOKENS = 3, 40
+TABLE_ROWS = 4093
+"""Rows of the shadow table: a token's row is its prefix's hash modulo this."""
+WAIT_S = 60.0
+"""Longest any wait may take before it counts as a hang."""
+
+
+class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one run did and found; written as one JSON line, read by the tests."""
+
+    device: str
+    tree_core: str
+    write_policy: str
+    l3: str | None
+    host_pool: str = ""
+    seed: int
+    seconds: float
+    steps: int = 0
+    requests_served: int = 0
+    pages_backed_up: int = 0
+    device_pages_evicted: int = 0
+    host_pages_evicted: int = 0
+    pages_loaded_from_host: int = 0
+    pages_loaded_from_l3: int = 0
+    tier_flushes: int = 0
+    faults: dict[str, int] = {}
+    tokens_checked: int = 0
+    mismatches: int = 0
+    hangs: int = 0
+    first_mismatches: list[str] = []
+
+
+class Shadow:
+    """The bytes every token's KV must hold, from a table of random bytes."""
+
+    def __init__(self, seed: int, device: str) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        sides = 2 * LAYERS  # (layer, K or V)
+
+        def table(*shape: int) -> torch.Tensor:
+            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+
+        self.payload = table(TABLE_ROWS, sides, HEADS, HEAD_DIM).to(device)
+        self.scales = table(TABLE_ROWS, sides, HEADS, HEAD_DIM // 32).to(device)
+
+    @staticmethod
+    def rows(token_ids: list[int]) -> list[int]:
+        """Each token's table row: the rolling hash of the prefix ending there."""
+        h, out = 0, []
+        for token in token_ids:
+            h = (h * 1000003 + token + 1) % TABLE_ROWS
+            out.append(h)
+        return out
+
+    @staticmethod
+    def _views(kv, slots: torch.Tensor):
+        """(side index, payload rows, scale rows) of ``slots`` in every layer:
+        the scales in the FA4-interleaved ``(pages, H, 32, P/32, D/32)`` layout."""
+        page, offset = slots // PAGE, slots % PAGE
+        for layer in range(LAYERS):
+            for side, (payload, scales) in enumerate(
+                ((kv.k_buffer, kv.k_scale_buffer), (kv.v_buffer, kv.v_scale_buffer))
+            ):
+                yield (
+                    2 * layer + side,
+                    payload[layer].view(torch.uint8),
+                    scales[layer].view(torch.uint8),
+                    page,
+                    offset,
+                )
+
+    def write(self, kv, slots: torch.Tensor, rows: list[int]) -> None:
+        rows_t = torch.tensor(rows, dtype=torch.long, device=slots.device)
+        for index, payload, scales, page, offset in self._views(kv, slots):
+            payload[slots] = self.payload[rows_t, index]
+            scales[page, :, offset % 32, offset // 32, :] = self.scales[rows_t, index]
+
+    def mismatched(self, kv, slots: torch.Tensor, rows: list[int]) -> list[int]:
+        """The positions in ``slots`` whose bytes differ from the shadow."""
+        rows_t = torch.tensor(rows, dtype=torch.long, device=slots.device)
+        bad = torch.zeros(len(rows), dtype=torch.bool, device=slots.device)
+        for index, payload, scales, page, offset in self._views(kv, slots):
+            got = payload[slots].flatten(1)
+            bad |= (got != self.payload[rows_t, index].flatten(1)).any(dim=1)
+            got = scales[page, :, offset % 32, offset // 32, :].flatten(1)
+            bad |= (got != self.scales[rows_t, index].flatten(1)).any(dim=1)
+        return bad.nonzero().flatten().tolist()
+
+
+def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
+    """The tree cache the scheduler builds (``kv_cache_builder.build_kv_cache``
+    then ``registry.create_tree_cache``), and its pools."""
+    import torch.distributed as dist
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool
+
+    load_plugins()
+    if args.payload_only:
+        from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+        from sglang_mxfp8_hicache.tools.pools import PayloadOnlyHost
+
+        # The control: what SGLang 0.5.16-0.5.20 pick for an MXFP8 pool.
+        hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: PayloadOnlyHost
+    os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = l3_dir
+    if args.l3:  # L3 keys hash through a C++ extension built on first use:
+        # built here, not inside a storage thread that a reset must join.
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)
+    # model_path "dummy" skips model resolution and HiCache flag
+    # normalisation: every flag it would settle is given.
+    server_args = ServerArgs(
+        model_path="dummy",
+        page_size=PAGE,
+        kv_cache_dtype="mxfp8",
+        enable_hierarchical_cache=True,
+        hicache_ratio=HICACHE_RATIO,
+        hicache_size=0,
+        hicache_mem_layout="page_first",
+        hicache_io_backend="kernel",
+        hicache_write_policy=args.write_policy,
+        hicache_host_memory_mode="cache",
+        hicache_storage_backend=args.l3,
+        hicache_storage_prefetch_policy="wait_complete",
+        disable_cuda_graph=True,
+    )
+    publish(
+        server_args,
+        role="scheduler",
+        ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0),
+    )
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tempfile.mktemp()}", world_size=1, rank=0
+    )
+    group = dist.group.WORLD
+    kv = build_device_pool(
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        pages=DEVICE_PAGES,
+        device=device,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        kv.size, PAGE, torch.int64, device, kv, need_sort=False
+    )
+    requests = ReqToTokenPool(
+        size=2 * MAX_RUNNING + 2,
+        max_context_len=4096,
+        device=device,
+        enable_memory_saver=False,
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=requests,
+        token_to_kv_pool_allocator=allocator,
+        page_size=PAGE,
+        tp_cache_group=group,
+        attn_cp_cache_group=group,
+        attn_tp_cache_group=group,
+        pp_cache_group=group,
+        tree_core_backend=args.core,
+    )
+    cache = create_tree_cache(
+        TreeCacheBuildContext(
+            server_args=server_args,
+            params=params,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            enable_hierarchical_cache=True,
+            disable_radix_cache=False,
+            tp_worker=SimpleNamespace(
+                register_hicache_layer_transfer_counter=lambda counter: None
+            ),
+            model_config=None,
+            tp_size=1,
+            tp_rank=0,
+            tp_group=group,
+        )
+    )
+    controller = cache.cache_controller
+    stream = torch.get_device_module(device).current_stream()
+    controller.load_fence_stream = controller.write_fence_stream = stream
+    return cache, kv, allocator, requests
+
+
+class Soak:
+    """The scheduler's loop over the cache, with the shadow checked."""
+
+    def __init__(self, args: argparse.Namespace, device: str, l3_dir: str) -> None:
+        self.args, self.device, self.l3_dir = args, device, l3_dir
+        self.rng = random.Random(args.seed)
+        self.shadow = Shadow(args.seed, device)
+        self.cache, self.kv, self.allocator, self.requests = build_cache(
+            args, device, l3_dir
+        )
+        self.controller = self.cache.cache_controller
+        self.figures = SoakFigures(
+            device=device,
+            tree_core=type(self.cache.tree_core).__name__,
+            write_policy=args.write_policy,
+            l3=args.l3,
+            seed=args.seed,
+            seconds=args.seconds,
+            host_pool=type(
+                self.controller.mem_pool_host.anchor_entry.host_pool
+            ).__name__,
+        )
+        self.documents = [
+            [self.rng.randrange(1, 30000) for _ in range(DOCUMENT_PAGES * PAGE)]
+            for _ in range(DOCUMENTS)
+        ]
+        self.weights = [1 / (rank + 1) ** ZIPF for rank in range(DOCUMENTS)]
+        self.waiting: list = []
+        self.running: list = []
+        self.arrived = 0
+        self._count_transfers()
+
+    def _count_transfers(self) -> None:
+        """Pages backed up, device and host tokens evicted, as the cache does
+        them: counted on the instances, the methods themselves unchanged."""
+        figures = self.figures
+        host = self.controller.mem_pool_host.anchor_entry.host_pool
+        backup = host.backup_from_device_all_layer
+
+        def counted_backup(device_pool, host_indices, *rest, **kwargs):
+            figures.pages_backed_up += len(host_indices) // PAGE
+            return backup(device_pool, host_indices, *rest, **kwargs)
+
+        host.backup_from_device_all_layer = counted_backup
+        for name in ("evict", "evict_for_alloc"):
+            evict = getattr(self.cache, name)
+
+            def counted_evict(*args, _evict=evict, **kwargs):
+                result = _evict(*args, **kwargs)
+                figures.device_pages_evicted += result.num_tokens_evicted // PAGE
+                return result
+
+            setattr(self.cache, name, counted_evict)
+        evict_host = self.cache.evict_host
+
+        def counted_evict_host(*args, **kwargs):
+            evicted = evict_host(*args, **kwargs)
+            figures.host_pages_evicted += evicted // PAGE
+            return evicted
+
+        self.cache.evict_host = counted_evict_host
+
+    # -- checks ---------------------------------------------------------------
+
+    def _check(self, req, length: int, token_ids: list[int], where: str) -> None:
+        if length == 0:
+            return
+        slots = self.requests.req_to_token[req.kv.req_pool_idx, :length].long()
+        rows = self.shadow.rows(token_ids[:length])
+        bad = self.shadow.mismatched(self.kv, slots, rows)
+        self.figures.tokens_checked += length
+        if bad:
+            self.figures.mismatches += len(bad)
+            if len(self.figures.first_mismatches) < 10:
+                self.figures.first_mismatches.append(
+                    f"{req.rid} {where}: {len(bad)} of {length} tokens, first at "
+                    f"position {bad[0]} (slot {int(slots[bad[0]])})"
+                )
+
+    def _wait(self, busy, what: str) -> None:
+        """Run ``check_hicache_events`` until ``busy()`` is false, bounded."""
+        deadline = time.monotonic() + WAIT_S
+        while busy():
+            self.cache.check_hicache_events()
+            if time.monotonic() > deadline:
+                self.figures.hangs += 1
+                raise TimeoutError(f"{what} still busy after {WAIT_S:.0f} s")
+            time.sleep(0.005)
+
+    # -- a request's life -------------------------------------------------------
+
+    def _arrive(self) -> None:
+        """A request on a shared document prefix, and its L3 prefetch
+        (``Scheduler._prefetch_kvcache``)."""
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        rng, cache = self.rng, self.cache
+        document = rng.choices(self.documents, self.weights)[0]
+        shared = rng.randrange(PAGE // 2, len(document))
+        own = [rng.randrange(1, 30000) for _ in range(rng.randrange(1, 2 * PAGE))]
+        params = SamplingParams(max_new_tokens=rng.randrange(1, MAX_NEW_TOKENS))
+        req = Req(f"r{self.arrived}", "", array("q", document[:shared] + own), params)
+        self.arrived += 1
+        if cache.enable_storage:
+            req.init_next_round_input(cache, cow_mamba=False)
+            matched = req.prefix_len + req.host_hit_length
+            if cache.is_backuped(req.last_host_node) or cache.is_root(
+                req.last_host_node
+            ):
+                fill = req.full_untruncated_fill_ids
+                end = req._compute_max_prefix_len(len(fill))
+                cache.prefetch_from_storage(
+                    req.cache_request_handle,
+                    req.last_host_node,
+                    fill[matched:end],
+                    cache.get_last_hash_value(req.last_host_node),
+                    None,
+                    matched_prefix_tokens=fill[:matched],
+                    extra_key=req.extra_key,
+                    cache_salt=req.cache_salt,
+                )
+        self.waiting.append(req)
+
+    def _admit(self, req, batch: list) -> bool:
+        """``PrefillAdder.add_one_req`` for one request: its storage hit, its
+        match, the budget with its prefix locked, the host load-back, the lock."""
+        from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+        cache = self.cache
+        if cache.enable_storage:
+            if not cache.check_prefetch_progress(req.cache_request_handle):
+                return False
+            loaded, start = cache.pop_prefetch_loaded_span(req.cache_request_handle)
+            req.storage_hit_length, req.storage_hit_start = loaded, start
+            self.figures.pages_loaded_from_l3 += loaded // PAGE
+        req.init_next_round_input(cache)
+        fill = len(req.full_untruncated_fill_ids)
+        need = fill - req.prefix_len + req.sampling_params.max_new_tokens + PAGE
+        need += sum(
+            r.sampling_params.max_new_tokens - len(r.output_ids) + PAGE
+            for r in self.running + batch
+        )
+        need += sum(r.extend_end - r.prefix_len for r in batch)
+        probe = cache.lock(req.last_node)
+        try:
+            if self.allocator.available_size() + cache.evictable_size() < need:
+                return False
+            if req.needs_host_load_back():
+                host_lock = cache.inc_host_lock_ref(req.best_match_node).to_dec_params()
+                lock = cache.lock(req.best_match_node)
+                try:
+                    loaded = cache.init_load_back(
+                        InitLoadBackParams(
+                            best_match_node=req.best_match_node,
+                            host_hit_length=req.host_hit_length,
+                            req=req,
+                        )
+                    )
+                finally:
+                    cache.unlock(lock)
+                    cache.dec_host_lock_ref(req.best_match_node, host_lock)
+                req.host_loaded_length, req.last_node = loaded
+                req.prefix_len += req.host_loaded_length
+                req.kv.cache_protected_len = req.prefix_len
+                self.figures.pages_loaded_from_host += req.host_loaded_length // PAGE
+            req.extend_end = fill
+            req.lock = cache.lock(req.last_node)
+        finally:
+            cache.unlock(probe)
+        cache.finish_storage_prefetch_admission(
+            req.cache_request_handle,
+            fulfilled_tokens=req.fulfilled_storage_hit_len(req.prefix_len),
+            reason=None,
+        )
+        return True
+
+    def _allocate_extend(self, req) -> torch.Tensor:
+        """``allocation.alloc_for_extend`` for one request."""
+        from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_extend
+
+        cache, device = self.cache, self.device
+        start, end = req.prefix_len, req.extend_end
+        prefix = (
+            cache.prefix_device_indices(req)
+            if start
+            else torch.empty(0, dtype=torch.int64, device=device)
+        )
+        self.requests.alloc([req])
+        last = prefix[-1:] if start else torch.full((1,), -1, device=device)
+
+        def one(value: int) -> torch.Tensor:
+            return torch.tensor([value], dtype=torch.int64)
+
+        out = alloc_paged_token_slots_extend(
+            cache,
+            one(start).to(device),
+            one(start),
+            one(end).to(device),
+            one(end),
+            last,
+            end - start,
+        )
+        row = req.kv.req_pool_idx
+        self.requests.write((row, slice(0, start)), prefix)
+        self.requests.write((row, slice(start, end)), out)
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+        return out
+
+    def _finish(self, req) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        token_ids = list(req.origin_input_ids) + list(req.output_ids)
+        self._check(req, req.kv.kv_committed_len, token_ids, "whole row at finish")
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self.figures.requests_served += 1
+
+    def _prefill(self, batch: list) -> None:
+        from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+        consumer = self.cache.ready_to_load_host_cache()
+        slots = [self._allocate_extend(req) for req in batch]
+        if consumer >= 0:  # the forward's layers wait on the loads
+            event = self.controller.layer_done_counter.events[consumer].finish_event
+            torch.get_device_module(self.device).current_stream().wait_event(event)
+        for req, out in zip(batch, slots, strict=True):
+            token_ids = list(req.full_untruncated_fill_ids)
+            self._check(req, req.prefix_len, token_ids, "served prefix")
+            rows = self.shadow.rows(token_ids)[req.prefix_len : req.extend_end]
+            self.shadow.write(self.kv, out, rows)
+            req.output_ids.append(self.rng.randrange(1, 30000))
+            if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+                self._finish(req)
+            else:
+                checkpoint_kv_cache(req, self.cache)
+                self.running.append(req)
+
+    def _decode(self) -> None:
+        from sglang.srt.mem_cache.allocation import alloc_paged_token_slots_decode
+
+        device = self.device
+        for req in list(self.running):
+            position = req.kv.kv_committed_len
+            row = req.kv.req_pool_idx
+            last = self.requests.req_to_token[row, position - 1 : position].long()
+            length = torch.tensor([position + 1])
+            out = alloc_paged_token_slots_decode(
+                self.cache, length.to(device), length, last
+            )
+            self.requests.write(
+                (row, torch.tensor([position], device=device)), out.to(torch.int32)
+            )
+            req.kv.kv_allocated_len += 1
+            req.kv.kv_committed_len += 1
+            token_ids = list(req.origin_input_ids) + list(req.output_ids)
+            self.shadow.write(self.kv, out, self.shadow.rows(token_ids)[position:])
+            req.output_ids.append(self.rng.randrange(1, 30000))
+            if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+                self.running.remove(req)
+                self._finish(req)
+
+    def _flush_tiers(self) -> None:
+        """``Scheduler.flush_cache`` with L3 kept: the device and host tiers
+        emptied and every byte of them overwritten, so later hits come from L3."""
+        from sglang_mxfp8_hicache.tools.pools import device_buffers, host_page_rows
+
+        for req in self.running:
+            self._finish(req)
+        self.running.clear()
+        cache = self.cache
+        self._wait(
+            lambda: (
+                cache.ongoing_write_through
+                or cache.ongoing_load_back
+                or cache.ongoing_backup
+            ),
+            "transfers",
+        )
+        cache.reset()
+        self.requests.clear()
+        self.allocator.clear()
+        for tensor in device_buffers(self.kv):
+            tensor.view(torch.uint8).fill_(0xEE)
+        host = self.controller.mem_pool_host.anchor_entry.host_pool
+        host_page_rows(host).fill_(0xDD)
+        self.figures.tier_flushes += 1
+
+    def run(self) -> SoakFigures:
+        deadline = time.monotonic() + self.args.seconds
+        while time.monotonic() < deadline:
+            self.cache.check_hicache_events()
+            while len(self.waiting) < 2 * MAX_RUNNING:
+                self._arrive()
+            batch: list = []
+            for req in list(self.waiting):
+                if len(self.running) + len(batch) >= MAX_RUNNING:
+                    break
+                if self._admit(req, batch):
+                    self.waiting.remove(req)
+                    batch.append(req)
+            if batch:
+                self._prefill(batch)
+            elif self.running:
+                self._decode()
+            self.cache.flush_pending_backups()
+            self.figures.steps += 1
+            if self.args.l3 and self.figures.steps % self.args.flush_every == 0:
+                self._flush_tiers()
+        for req in self.running:
+            self._finish(req)
+        self.running.clear()
+        cache = self.cache
+        self._wait(
+            lambda: (
+                cache.ongoing_write_through
+                or cache.ongoing_load_back
+                or cache.ongoing_backup
+            ),
+            "transfers",
+        )
+        # The scheduler's idle check: every device token free, evictable or held.
+        leaked = self.allocator.size - (
+            self.allocator.available_size()
+            + cache.evictable_size()
+            + cache.protected_size()
+        )
+        if leaked or cache.protected_size():
+            self.figures.first_mismatches.append(
+                f"idle check: {leaked} tokens leaked, {cache.protected_size()} protected"
+            )
+            self.figures.mismatches += 1
+        return self.figures
+
+    def close(self) -> None:
+        import torch.distributed as dist
+        from sglang.srt.runtime_context import reset_context
+
+        torch.get_device_module(self.device).synchronize()
+        self.cache.shutdown()  # detaches L3 first: a reset would restart its threads
+        self.controller.reset()
+        self.cache.release_host_resources()
+        dist.destroy_process_group()
+        reset_context()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--write-policy",
+        choices=("write_through", "write_back", "write_through_selective"),
+        default="write_through",
+    )
+    parser.add_argument("--l3", choices=("file",), default=None)
+    parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
+    parser.add_argument("--core", choices=("python", "rust"), default=None)
+    parser.add_argument(
+        "--payload-only",
+        action="store_true",
+        help="the control: SGLang's host pool moving the payload alone",
+    )
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with pytest_monkeypatch() as monkeypatch:
+        if device == "cpu":
+            sys.path.insert(0, os.path.dirname(__file__))
+            from kernel_emulation import install_stack_emulation
+
+            install_stack_emulation(monkeypatch)
+        with tempfile.TemporaryDirectory(prefix="soak-l3-") as l3_dir:
+            soak = Soak(args, device, l3_dir)
+            try:
+                figures = soak.run()
+            finally:
+                soak.close()
+    print(msgspec.json.encode(figures).decode(), flush=True)
+
+
+def pytest_monkeypatch():
+    import pytest
+
+    return pytest.MonkeyPatch.context()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The scheduler's own radix cache drives the host pool under a seeded load
+(``soak.py``): nothing it serves differs from the shadow, no wait hangs, and
+the run did what it is for (backups, evictions, loads from host and L3).
+
+Each run is its own process (the plugin hook is process-wide) of
+``--soak-seconds`` (20 by default; longer on request); on the CPU the kernels
+are emulated, on a GPU the real ones run. The payload-only control shows that
+the check fails when scales are lost.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from conftest import SOAK_FIGURES
+from soak import SoakFigures
+
+SOAK = os.path.join(os.path.dirname(__file__), "soak.py")
+
+
+def soak(request, *flags: str) -> SoakFigures:
+    seconds = request.config.getoption("--soak-seconds")
+    done = subprocess.run(
+        [sys.executable, SOAK, "--seconds", str(seconds), "--seed", "0", *flags],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = msgspec.json.decode(
+        done.stdout.strip().splitlines()[-1], type=SoakFigures
+    )
+    SOAK_FIGURES.append(f"{request.node.name}: {done.stdout.strip().splitlines()[-1]}")
+    return figures
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(["--core", "rust"], id="write_through-rust"),
+        pytest.param(
+            ["--write-policy", "write_back", "--core", "python"], id="write_back-python"
+        ),
+        pytest.param(["--l3", "file", "--flush-every", "30"], id="l3_file"),
+    ],
+)
+def test_soak(request, flags):
+    figures = soak(request, *flags)
+    assert figures.mismatches == 0, figures.first_mismatches
+    assert figures.hangs == 0
+    assert figures.host_pool == "MHATokenToKVPoolMXFP8Host"
+    assert figures.requests_served > 20 and figures.tokens_checked > 0
+    assert figures.pages_backed_up > 0 and figures.device_pages_evicted > 0
+    if "--l3" in flags:
+        assert figures.tier_flushes > 0 and figures.pages_loaded_from_l3 > 0
+    else:
+        assert figures.pages_loaded_from_host > 0 and figures.host_pages_evicted > 0
+
+
+def test_soak_payload_only_control_is_caught(request):
+    """SGLang's host pool given the payload alone restores pages with the
+    scales that sit where they land: the shadow sees it."""
+    figures = soak(request, "--payload-only")
+    assert figures.host_pool == "PayloadOnlyHost"
+    assert figures.pages_loaded_from_host > 0 and figures.mismatches > 0
