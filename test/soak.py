@@ -53,6 +53,13 @@ TABLE_ROWS = 4093
 """Rows of the shadow table: a token's row is its prefix's hash modulo this."""
 WAIT_S = 60.0
 """Longest any wait may take before it counts as a hang."""
+FAULTS = ("file", "backend_error", "host_exhausted")
+"""What ``--faults`` injects while the soak runs: ``file``, stored pages of
+L3 ``file`` truncated, lengthened or deleted under it; ``backend_error``, an
+L3 read that raises after writing its batch's host pages, or a write that
+raises; ``host_exhausted``, most of the free host pool taken for a while.
+Each must end as a miss or a recompute, never as wrong bytes or a hang."""
+FAULT_EVERY, HOST_HOLD_STEPS = 7, 10
 
 
 class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -271,7 +278,10 @@ class Soak:
         self.waiting: list = []
         self.running: list = []
         self.arrived = 0
+        self.held_host: list[tuple[int, torch.Tensor]] = []
         self._count_transfers()
+        if "backend_error" in args.faults:
+            self._make_backend_fail()
 
     def _count_transfers(self) -> None:
         """Pages backed up, device and host tokens evicted, as the cache does
@@ -302,6 +312,76 @@ class Soak:
             return evicted
 
         self.cache.evict_host = counted_evict_host
+
+    # -- faults -----------------------------------------------------------------
+
+    def _fault(self, kind: str) -> None:
+        self.figures.faults[kind] = self.figures.faults.get(kind, 0) + 1
+
+    def _make_backend_fail(self) -> None:
+        """One L3 read or write in eight raises; a read raises after the
+        backend has written its batch's host pages, as a failure mid-batch."""
+        controller, rng = self.controller, random.Random(self.args.seed + 1)
+        get, put = controller.page_get_func, controller.page_set_func
+
+        def failing_get(*args, **kwargs):
+            hits = get(*args, **kwargs)
+            if rng.random() < 1 / 8:
+                self._fault("backend_error")
+                raise RuntimeError("injected: L3 read failed mid-batch")
+            return hits
+
+        def failing_put(*args, **kwargs):
+            if rng.random() < 1 / 8:
+                self._fault("backend_error")
+                raise RuntimeError("injected: L3 write failed")
+            return put(*args, **kwargs)
+
+        controller.page_get_func, controller.page_set_func = failing_get, failing_put
+
+    def _damage_stored_pages(self) -> None:
+        """A stored page of L3 ``file`` truncated, lengthened or deleted."""
+        names = sorted(os.listdir(self.l3_dir))
+        if not names:
+            return
+        path = os.path.join(self.l3_dir, self.rng.choice(names))
+        how = self.rng.choice(("truncated", "lengthened", "deleted"))
+        try:
+            if how == "deleted":
+                os.remove(path)
+            else:
+                size = os.path.getsize(path)
+                with open(path, "r+b") as f:
+                    f.truncate(size - 64 if how == "truncated" else size + 64)
+        except FileNotFoundError:  # evicted or rewritten meanwhile
+            return
+        self._fault(f"file_{how}")
+
+    def _exhaust_host(self) -> None:
+        """Most of the free host pool held for ``HOST_HOLD_STEPS`` steps."""
+        host = self.controller.mem_pool_host
+        steps = self.figures.steps
+        while self.held_host and self.held_host[0][0] <= steps:
+            host.free(self.held_host.pop(0)[1])
+        if not self.held_host:
+            take = host.available_size() * 9 // 10 // PAGE * PAGE
+            held = host.alloc(take) if take else None
+            if held is not None:
+                self.held_host.append((steps + HOST_HOLD_STEPS, held))
+                self._fault("host_exhausted")
+
+    def _release_host(self) -> None:
+        for _, held in self.held_host:
+            self.controller.mem_pool_host.free(held)
+        self.held_host.clear()
+
+    def _inject_faults(self) -> None:
+        if self.figures.steps % FAULT_EVERY:
+            return
+        if "file" in self.args.faults:
+            self._damage_stored_pages()
+        if "host_exhausted" in self.args.faults:
+            self._exhaust_host()
 
     # -- checks ---------------------------------------------------------------
 
@@ -512,6 +592,7 @@ class Soak:
         for req in self.running:
             self._finish(req)
         self.running.clear()
+        self._release_host()  # before the reset, which frees every host slot
         cache = self.cache
         self._wait(
             lambda: (
@@ -549,11 +630,13 @@ class Soak:
                 self._decode()
             self.cache.flush_pending_backups()
             self.figures.steps += 1
+            self._inject_faults()
             if self.args.l3 and self.figures.steps % self.args.flush_every == 0:
                 self._flush_tiers()
         for req in self.running:
             self._finish(req)
         self.running.clear()
+        self._release_host()
         cache = self.cache
         self._wait(
             lambda: (
@@ -601,11 +684,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
     parser.add_argument("--core", choices=("python", "rust"), default=None)
     parser.add_argument(
+        "--faults",
+        type=lambda text: tuple(kind for kind in text.split(",") if kind),
+        default=(),
+        help=f"comma separated, of {', '.join(FAULTS)}",
+    )
+    parser.add_argument(
         "--payload-only",
         action="store_true",
         help="the control: SGLang's host pool moving the payload alone",
     )
     args = parser.parse_args(argv)
+    if unknown := set(args.faults) - set(FAULTS):
+        parser.error(f"--faults: unknown {sorted(unknown)}")
+    if args.l3 is None and {"file", "backend_error"} & set(args.faults):
+        parser.error("--faults file and backend_error need --l3 file")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with pytest_monkeypatch() as monkeypatch:
         if device == "cpu":

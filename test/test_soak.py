@@ -1,6 +1,7 @@
 """The scheduler's own radix cache drives the host pool under a seeded load
-(``soak.py``): nothing it serves differs from the shadow, no wait hangs, and
-the run did what it is for (backups, evictions, loads from host and L3).
+(``soak.py``), with faults injected (``fault_*``): nothing it serves differs
+from the shadow, no wait hangs, and the run did what it is for (backups,
+evictions, loads from host and L3, the faults).
 
 Each run is its own process (the plugin hook is process-wide) of
 ``--soak-seconds`` (20 by default; longer on request); on the CPU the kernels
@@ -69,3 +70,26 @@ def test_soak_payload_only_control_is_caught(request):
     figures = soak(request, "--payload-only")
     assert figures.host_pool == "PayloadOnlyHost"
     assert figures.pages_loaded_from_host > 0 and figures.mismatches > 0
+
+
+@pytest.mark.parametrize(
+    "faults, kinds",
+    [
+        pytest.param(
+            "file",
+            {"file_truncated", "file_lengthened", "file_deleted"},
+            id="fault_file",
+        ),
+        pytest.param("backend_error", {"backend_error"}, id="fault_backend_error"),
+        pytest.param("host_exhausted", {"host_exhausted"}, id="fault_host_exhausted"),
+    ],
+)
+def test_soak_faults(request, faults, kinds):
+    """Stored pages damaged under the cache, an L3 backend that raises (a read
+    after writing its host pages), the host pool nearly all taken: misses and
+    recomputes, never a wrong byte or a hang."""
+    figures = soak(request, "--l3", "file", "--flush-every", "30", "--faults", faults)
+    assert figures.mismatches == 0, figures.first_mismatches
+    assert figures.hangs == 0
+    assert kinds <= figures.faults.keys(), figures.faults
+    assert figures.requests_served > 20 and figures.pages_loaded_from_l3 > 0
