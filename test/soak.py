@@ -45,7 +45,7 @@ from types import SimpleNamespace
 import msgspec
 import torch
 
-PAGE, HEADS, HEAD_DIM, LAYERS = 128, 2, 128, 2
+PAGE, HEAD_DIM, LAYERS = 128, 128, 2
 DEVICE_PAGES, HICACHE_RATIO = 16, 2.0
 DOCUMENTS, DOCUMENT_PAGES, ZIPF = 8, 6, 1.1
 MAX_RUNNING, MAX_NEW_TOKENS = 3, 40
@@ -72,6 +72,8 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host_pool: str = ""
     seed: int
     seconds: float
+    wall_s: float = 0.0
+    """From the cache's build to the idle check."""
     steps: int = 0
     requests_served: int = 0
     pages_backed_up: int = 0
@@ -90,15 +92,15 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class Shadow:
     """The bytes every token's KV must hold, from a table of random bytes."""
 
-    def __init__(self, seed: int, device: str) -> None:
+    def __init__(self, seed: int, heads: int, device: str) -> None:
         gen = torch.Generator().manual_seed(seed)
         sides = 2 * LAYERS  # (layer, K or V)
 
         def table(*shape: int) -> torch.Tensor:
             return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
 
-        self.payload = table(TABLE_ROWS, sides, HEADS, HEAD_DIM).to(device)
-        self.scales = table(TABLE_ROWS, sides, HEADS, HEAD_DIM // 32).to(device)
+        self.payload = table(TABLE_ROWS, sides, heads, HEAD_DIM).to(device)
+        self.scales = table(TABLE_ROWS, sides, heads, HEAD_DIM // 32).to(device)
 
     @staticmethod
     def rows(token_ids: list[int]) -> list[int]:
@@ -199,7 +201,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
     )
     group = dist.group.WORLD
     kv = build_device_pool(
-        head_num=HEADS,
+        head_num=args.heads,
         head_dim=HEAD_DIM,
         layer_num=LAYERS,
         pages=DEVICE_PAGES,
@@ -252,9 +254,10 @@ class Soak:
     """The scheduler's loop over the cache, with the shadow checked."""
 
     def __init__(self, args: argparse.Namespace, device: str, l3_dir: str) -> None:
+        self.started = time.monotonic()
         self.args, self.device, self.l3_dir = args, device, l3_dir
         self.rng = random.Random(args.seed)
-        self.shadow = Shadow(args.seed, device)
+        self.shadow = Shadow(args.seed, args.heads, device)
         self.cache, self.kv, self.allocator, self.requests = build_cache(
             args, device, l3_dir
         )
@@ -282,6 +285,8 @@ class Soak:
         self._count_transfers()
         if "backend_error" in args.faults:
             self._make_backend_fail()
+        if args.no_l3_writes:  # what is in L3 came from another process
+            self.controller.page_set_func = lambda *args, **kwargs: False
 
     def _count_transfers(self) -> None:
         """Pages backed up, device and host tokens evicted, as the cache does
@@ -657,6 +662,7 @@ class Soak:
                 f"idle check: {leaked} tokens leaked, {cache.protected_size()} protected"
             )
             self.figures.mismatches += 1
+        self.figures.wall_s = round(time.monotonic() - self.started, 1)
         return self.figures
 
     def close(self) -> None:
@@ -683,6 +689,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--l3", choices=("file",), default=None)
     parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
     parser.add_argument("--core", choices=("python", "rust"), default=None)
+    parser.add_argument("--heads", type=int, default=2, help="KV heads (geometry)")
+    parser.add_argument(
+        "--l3-dir", help="the L3 file store, kept (default: a fresh one, removed)"
+    )
+    parser.add_argument(
+        "--no-l3-writes",
+        action="store_true",
+        help="store nothing: every L3 hit is another process's page",
+    )
     parser.add_argument(
         "--faults",
         type=lambda text: tuple(kind for kind in text.split(",") if kind),
@@ -706,8 +721,8 @@ def main(argv: list[str] | None = None) -> None:
             from kernel_emulation import install_stack_emulation
 
             install_stack_emulation(monkeypatch)
-        with tempfile.TemporaryDirectory(prefix="soak-l3-") as l3_dir:
-            soak = Soak(args, device, l3_dir)
+        with tempfile.TemporaryDirectory(prefix="soak-l3-") as fresh:
+            soak = Soak(args, device, args.l3_dir or fresh)
             try:
                 figures = soak.run()
             finally:

@@ -93,3 +93,18 @@ def test_soak_faults(request, faults, kinds):
     assert figures.hangs == 0
     assert kinds <= figures.faults.keys(), figures.faults
     assert figures.requests_served > 20 and figures.pages_loaded_from_l3 > 0
+
+
+def test_restart(request, tmp_path):
+    """A second process over the same ``file`` store, storing nothing itself,
+    finds the first process's pages through the tree's L3 prefetch and
+    restores them exactly; a process of another geometry finds none (its keys
+    carry its format and geometry)."""
+    store = ["--l3", "file", "--l3-dir", str(tmp_path), "--flush-every", "30"]
+    first = soak(request, *store)
+    assert first.mismatches == 0 and os.listdir(tmp_path)
+    second = soak(request, *store, "--no-l3-writes")
+    assert second.mismatches == 0 and second.hangs == 0, second.first_mismatches
+    assert second.pages_loaded_from_l3 > 0
+    other = soak(request, *store, "--no-l3-writes", "--heads", "4")
+    assert other.mismatches == 0 and other.pages_loaded_from_l3 == 0
