@@ -38,11 +38,13 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 import torch
 
 PAGE, HEAD_DIM, LAYERS = 128, 128, 2
@@ -282,6 +284,7 @@ class Soak:
         self.running: list = []
         self.arrived = 0
         self.held_host: list[tuple[int, torch.Tensor]] = []
+        self.fault_lock = threading.Lock()
         self._count_transfers()
         if "backend_error" in args.faults:
             self._make_backend_fail()
@@ -321,7 +324,9 @@ class Soak:
     # -- faults -----------------------------------------------------------------
 
     def _fault(self, kind: str) -> None:
-        self.figures.faults[kind] = self.figures.faults.get(kind, 0) + 1
+        """Counted from the storage threads too: under a lock."""
+        with self.fault_lock:
+            self.figures.faults[kind] = self.figures.faults.get(kind, 0) + 1
 
     def _make_backend_fail(self) -> None:
         """One L3 read or write in eight raises; a read raises after the
@@ -715,7 +720,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.l3 is None and {"file", "backend_error"} & set(args.faults):
         parser.error("--faults file and backend_error need --l3 file")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    with pytest_monkeypatch() as monkeypatch:
+    with pytest.MonkeyPatch.context() as monkeypatch:
         if device == "cpu":
             sys.path.insert(0, os.path.dirname(__file__))
             from kernel_emulation import install_stack_emulation
@@ -728,12 +733,6 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 soak.close()
     print(msgspec.json.encode(figures).decode(), flush=True)
-
-
-def pytest_monkeypatch():
-    import pytest
-
-    return pytest.MonkeyPatch.context()
 
 
 if __name__ == "__main__":
