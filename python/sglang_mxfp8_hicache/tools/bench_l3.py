@@ -71,8 +71,8 @@ class L3BenchError(RuntimeError):
 
 
 class L3Unavailable(RuntimeError):
-    """The benchmark cannot run here: no Mooncake, a master that cannot be
-    reached, host pools that do not fit."""
+    """The benchmark cannot run here: no service named, a backend that cannot
+    be opened, host pools that do not fit."""
 
 
 def build_pools(
@@ -362,8 +362,8 @@ def run(
     if backend not in LOCAL_BACKENDS and l3_config is None:
         raise L3Unavailable(
             f"--l3 {backend} needs --l3-config: the extra config of a running "
-            "service (test/mooncake_loopback.py and test/seaweedfs_loopback.py "
-            "start one on loopback)"
+            "service (a clone's test/mooncake_loopback.py and "
+            "test/seaweedfs_loopback.py start one on loopback)"
         )
     max_pages = max(pages_list)
     with contextlib.ExitStack() as stack:

@@ -18,7 +18,7 @@ BENCH_SETUPS = ("page_first", "draft", "layer_first", "direct", "page_head")
 BENCH_SETUPS += FP4_FORMAT_NAMES
 """The host pool setups of ``bench --setup`` (``bench.setups`` builds them)."""
 L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs")
-"""What ``bench --l3`` times; seaweedfs only against a running gateway."""
+"""What ``bench --l3`` times; mooncake and seaweedfs against a running service."""
 L3_GEOMETRY = (8, 128, 4)
 """K and V of a page are each 512 KiB of payload plus 16 KiB of scales."""
 L3_PAGES = BENCH_PAGES
