@@ -594,15 +594,13 @@ class Soak:
                 self.running.remove(req)
                 self._finish(req)
 
-    def _flush_tiers(self) -> None:
-        """``Scheduler.flush_cache`` with L3 kept: the device and host tiers
-        emptied and every byte of them overwritten, so later hits come from L3."""
-        from sglang_mxfp8_hicache.tools.pools import device_buffers, host_page_rows
-
+    def _drain(self) -> None:
+        """Every running request finished, the held host slots released, and
+        every backup, load-back and L3 write landed."""
         for req in self.running:
             self._finish(req)
         self.running.clear()
-        self._release_host()  # before the reset, which frees every host slot
+        self._release_host()
         cache = self.cache
         self._wait(
             lambda: (
@@ -612,6 +610,14 @@ class Soak:
             ),
             "transfers",
         )
+
+    def _flush_tiers(self) -> None:
+        """``Scheduler.flush_cache`` with L3 kept: the device and host tiers
+        emptied and every byte of them overwritten, so later hits come from L3."""
+        from sglang_mxfp8_hicache.tools.pools import device_buffers, host_page_rows
+
+        self._drain()  # the held host slots first: a reset frees every host slot
+        cache = self.cache
         cache.reset()
         self.requests.clear()
         self.allocator.clear()
@@ -643,19 +649,8 @@ class Soak:
             self._inject_faults()
             if self.args.l3 and self.figures.steps % self.args.flush_every == 0:
                 self._flush_tiers()
-        for req in self.running:
-            self._finish(req)
-        self.running.clear()
-        self._release_host()
+        self._drain()
         cache = self.cache
-        self._wait(
-            lambda: (
-                cache.ongoing_write_through
-                or cache.ongoing_load_back
-                or cache.ongoing_backup
-            ),
-            "transfers",
-        )
         # The scheduler's idle check: every device token free, evictable or held.
         leaked = self.allocator.size - (
             self.allocator.available_size()

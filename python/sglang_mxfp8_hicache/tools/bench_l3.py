@@ -8,9 +8,10 @@ batches: ``mxfp8``, our host pool over SGLang's MXFP8 device pool, and
 ``payload``, SGLang's ``MHATokenToKVPoolHost`` given the same pool's payload
 alone (``pools.PayloadOnlyHost``: the floor). Puts and gets are timed by wall
 clock, as the storage threads spend it; per batch size one warm-up, then the
-median of ``reps``, the pools alternating which goes first. Every put has fresh keys, what a rep
-stored is removed before the next, gets land in other (poisoned) host pages,
-and the last rep's are compared byte for byte: a mismatch fails the run.
+median of ``reps``, the pools alternating which goes first. Every put has
+fresh keys, what a rep stored is removed before the next, gets land in other
+(poisoned) host pages, and the last rep's are compared byte for byte: a
+mismatch fails the run.
 """
 
 from __future__ import annotations

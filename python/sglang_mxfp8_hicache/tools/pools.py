@@ -163,18 +163,24 @@ def host_page_rows(
 
 
 def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
+    """Every byte of ``tensors`` uniform over 0-255 (0xFF included). Host
+    tensors drawn from a CPU generator are filled in place, without a copy of
+    their size (the L3 bench's host pools are GBs); others through a copy
+    drawn on the generator's device."""
     for tensor in tensors:
         raw = tensor.view(torch.uint8)
-        raw.copy_(
-            torch.randint(
-                0,
-                256,
-                raw.shape,
-                dtype=torch.uint8,
-                generator=generator,
-                device=generator.device,
-            )
+        if raw.device.type == "cpu" and generator.device.type == "cpu":
+            raw.random_(0, 256, generator=generator)
+            continue
+        drawn = torch.randint(
+            0,
+            256,
+            raw.shape,
+            dtype=torch.uint8,
+            generator=generator,
+            device=generator.device,
         )
+        raw.copy_(drawn)
 
 
 def page_token_indices(pages: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:
