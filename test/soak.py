@@ -41,13 +41,16 @@ import tempfile
 import threading
 import time
 from array import array
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 
-PAGE, HEAD_DIM, LAYERS = 128, 128, 2
+PAGE, HEAD_DIM, LAYERS = 128, 128, 4
+HYBRID_FULL_LAYERS, SLIDING_WINDOW = (1, 3), 2 * PAGE
 DEVICE_PAGES, HICACHE_RATIO = 16, 2.0
 DOCUMENTS, DOCUMENT_PAGES, ZIPF = 8, 6, 1.1
 MAX_RUNNING, MAX_NEW_TOKENS = 3, 40
@@ -68,6 +71,8 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What one run did and found; written as one JSON line, read by the tests."""
 
     device: str
+    stack: str
+    kv_cache_dtype: str
     tree_core: str
     write_policy: str
     l3: str | None
@@ -91,18 +96,111 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     first_mismatches: list[str] = []
 
 
+@dataclass(frozen=True)
+class SoakLayer:
+    """One attention layer the shadow writes and checks: its device pool, its
+    layer there, and whether it is a sliding-window layer (addressed through
+    the allocator's full-to-SWA mapping, read only inside the window)."""
+
+    pool: Any
+    layer: int
+    swa: bool = False
+
+
+class TokenBytes:
+    """One per-layer buffer seen as a token's bytes: a row of the payload or
+    of per-token scales, or, for MXFP8, the token's scales in the
+    FA4-interleaved ``(pages, H, 32, P/32, D/32)`` layout."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.raw = buffer.view(torch.uint8)
+        self.interleaved = buffer.dim() == 5
+        self.width = self.raw[0].numel() // (PAGE if self.interleaved else 1)
+
+    def _index(self, slots: torch.Tensor):
+        if not self.interleaved:
+            return (slots,)
+        offset = slots % PAGE
+        return slots // PAGE, slice(None), offset % 32, offset // 32, slice(None)
+
+    def get(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.raw[self._index(slots)].reshape(len(slots), self.width)
+
+    def set(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        target = self._index(slots)
+        self.raw[target] = rows.view(self.raw[target].shape)
+
+
 class Shadow:
-    """The bytes every token's KV must hold, from a table of random bytes."""
+    """The bytes every token's KV must hold: for each buffer of each layer
+    (K and V, payload and scales), a table of ``TABLE_ROWS`` rows. On the CPU
+    the rows are random bytes written straight into the pool; with
+    ``quantize`` (a GPU) they are what SGLang's own ``set_kv_buffer`` makes of
+    random bf16 K and V rows, and the soak writes its KV through it."""
 
-    def __init__(self, seed: int, heads: int, device: str) -> None:
+    def __init__(
+        self, seed: int, layers: list[SoakLayer], allocator, quantize: bool
+    ) -> None:
+        self.layers, self.allocator = layers, allocator
+        self.buffers = [
+            [
+                TokenBytes(buffers[d.layer])
+                for buffers in (
+                    d.pool.k_buffer,
+                    d.pool.v_buffer,
+                    d.pool.k_scale_buffer,
+                    d.pool.v_scale_buffer,
+                )
+            ]
+            for d in layers
+        ]
         gen = torch.Generator().manual_seed(seed)
-        sides = 2 * LAYERS  # (layer, K or V)
+        device = layers[0].pool.device
+        if not quantize:
+            self.bf16 = None
+            self.tables = [
+                [
+                    torch.randint(
+                        0, 256, (TABLE_ROWS, b.width), dtype=torch.uint8, generator=gen
+                    ).to(device)
+                    for b in buffers
+                ]
+                for buffers in self.buffers
+            ]
+            return
+        self.bf16 = [
+            tuple(
+                torch.randn(TABLE_ROWS, d.pool.head_num, d.pool.head_dim, generator=gen)
+                .mul_(3.0)
+                .to(device, torch.bfloat16)
+                for _ in "kv"
+            )
+            for d in layers
+        ]
+        self.tables = [
+            [torch.empty(TABLE_ROWS, b.width, dtype=torch.uint8, device=device)
+             for b in buffers]
+            for buffers in self.buffers
+        ]
+        chunk = PAGE * (layers[0].pool.size // PAGE - 1)
+        for first in range(0, TABLE_ROWS, chunk):
+            rows = torch.arange(first, min(first + chunk, TABLE_ROWS), device=device)
+            slots = rows - first + PAGE  # the pool's own slots, past page 0
+            for n, d in enumerate(layers):
+                self._set_kv_buffer(n, d, slots, rows)
+                for table, b in zip(self.tables[n], self.buffers[n], strict=True):
+                    table[rows] = b.get(slots)
 
-        def table(*shape: int) -> torch.Tensor:
-            return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    def _set_kv_buffer(self, n: int, d: SoakLayer, slots, rows) -> None:
+        from sglang.srt.layers.radix_attention import RadixAttention
 
-        self.payload = table(TABLE_ROWS, sides, heads, HEAD_DIM).to(device)
-        self.scales = table(TABLE_ROWS, sides, heads, HEAD_DIM // 32).to(device)
+        pool = d.pool
+        layer = RadixAttention(
+            pool.head_num, pool.head_dim, pool.head_dim**-0.5, pool.head_num,
+            layer_id=d.layer,
+        )
+        k, v = self.bf16[n]
+        pool.set_kv_buffer(layer, slots, k[rows], v[rows])
 
     @staticmethod
     def rows(token_ids: list[int]) -> list[int]:
@@ -113,38 +211,33 @@ class Shadow:
             out.append(h)
         return out
 
-    @staticmethod
-    def _views(kv, slots: torch.Tensor):
-        """(side index, payload rows, scale rows) of ``slots`` in every layer:
-        the scales in the FA4-interleaved ``(pages, H, 32, P/32, D/32)`` layout."""
-        page, offset = slots // PAGE, slots % PAGE
-        for layer in range(LAYERS):
-            for side, (payload, scales) in enumerate(
-                ((kv.k_buffer, kv.k_scale_buffer), (kv.v_buffer, kv.v_scale_buffer))
-            ):
-                yield (
-                    2 * layer + side,
-                    payload[layer].view(torch.uint8),
-                    scales[layer].view(torch.uint8),
-                    page,
-                    offset,
-                )
+    def _slots(self, d: SoakLayer, slots: torch.Tensor) -> torch.Tensor:
+        if not d.swa:
+            return slots
+        return self.allocator.translate_loc_from_full_to_swa(slots).long()
 
-    def write(self, kv, slots: torch.Tensor, rows: list[int]) -> None:
+    def write(self, slots: torch.Tensor, rows: list[int]) -> None:
         rows_t = torch.tensor(rows, dtype=torch.long, device=slots.device)
-        for index, payload, scales, page, offset in self._views(kv, slots):
-            payload[slots] = self.payload[rows_t, index]
-            scales[page, :, offset % 32, offset // 32, :] = self.scales[rows_t, index]
+        for n, d in enumerate(self.layers):
+            space = self._slots(d, slots)
+            if self.bf16 is not None:
+                self._set_kv_buffer(n, d, space, rows_t)
+                continue
+            for table, b in zip(self.tables[n], self.buffers[n], strict=True):
+                b.set(space, table[rows_t])
 
-    def mismatched(self, kv, slots: torch.Tensor, rows: list[int]) -> list[int]:
-        """The positions in ``slots`` whose bytes differ from the shadow."""
+    def mismatched(
+        self, slots: torch.Tensor, rows: list[int], window_from: int
+    ) -> list[int]:
+        """The positions in ``slots`` whose bytes differ from the shadow;
+        sliding-window layers from position ``window_from`` on."""
         rows_t = torch.tensor(rows, dtype=torch.long, device=slots.device)
         bad = torch.zeros(len(rows), dtype=torch.bool, device=slots.device)
-        for index, payload, scales, page, offset in self._views(kv, slots):
-            got = payload[slots].flatten(1)
-            bad |= (got != self.payload[rows_t, index].flatten(1)).any(dim=1)
-            got = scales[page, :, offset % 32, offset // 32, :].flatten(1)
-            bad |= (got != self.scales[rows_t, index].flatten(1)).any(dim=1)
+        for n, d in enumerate(self.layers):
+            start = window_from if d.swa else 0
+            space = self._slots(d, slots[start:])
+            for table, b in zip(self.tables[n], self.buffers[n], strict=True):
+                bad[start:] |= (b.get(space) != table[rows_t[start:]]).any(dim=1)
         return bad.nonzero().flatten().tolist()
 
 
@@ -152,15 +245,12 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
     """The tree cache the scheduler builds (``kv_cache_builder.build_kv_cache``
     then ``registry.create_tree_cache``), and its pools."""
     import torch.distributed as dist
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
-
-    from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
     load_plugins()
     if args.payload_only:
@@ -181,7 +271,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
     server_args = ServerArgs(
         model_path="dummy",
         page_size=PAGE,
-        kv_cache_dtype="mxfp8",
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_hierarchical_cache=True,
         hicache_ratio=HICACHE_RATIO,
         hicache_size=0,
@@ -202,16 +292,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         "gloo", init_method=f"file://{tempfile.mktemp()}", world_size=1, rank=0
     )
     group = dist.group.WORLD
-    kv = build_device_pool(
-        head_num=args.heads,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        pages=DEVICE_PAGES,
-        device=device,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        kv.size, PAGE, torch.int64, device, kv, need_sort=False
-    )
+    kv, allocator, layers = STACKS[args.stack](args, device)
     requests = ReqToTokenPool(
         size=2 * MAX_RUNNING + 2,
         max_context_len=4096,
@@ -227,13 +308,14 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         attn_cp_cache_group=group,
         attn_tp_cache_group=group,
         pp_cache_group=group,
+        sliding_window_size=SLIDING_WINDOW if args.stack == "hybrid_swa" else None,
         tree_core_backend=args.core,
     )
     cache = create_tree_cache(
         TreeCacheBuildContext(
             server_args=server_args,
             params=params,
-            is_hybrid_swa=False,
+            is_hybrid_swa=args.stack == "hybrid_swa",
             is_hybrid_ssm=False,
             enable_hierarchical_cache=True,
             disable_radix_cache=False,
@@ -249,7 +331,65 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
     controller = cache.cache_controller
     stream = torch.get_device_module(device).current_stream()
     controller.load_fence_stream = controller.write_fence_stream = stream
-    return cache, kv, allocator, requests
+    return cache, kv, allocator, requests, layers
+
+
+def _kv_stack(args: argparse.Namespace, device: str):
+    """One block-scaled pool of ``--kv-cache-dtype`` and SGLang's paged allocator."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool
+
+    kv = build_device_pool(
+        head_num=args.heads,
+        head_dim=HEAD_DIM,
+        layer_num=LAYERS,
+        pages=DEVICE_PAGES,
+        device=device,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        kv.size, PAGE, torch.int64, device, kv, need_sort=False
+    )
+    return kv, allocator, [SoakLayer(kv, layer) for layer in range(LAYERS)]
+
+
+def _hybrid_swa_stack(args: argparse.Namespace, device: str):
+    """Full and sliding-window MXFP8 pools and SGLang's SWA allocator, as the
+    configurator builds them for a hybrid SWA model
+    (``kv_cache_configurator._build_hybrid_swa_kv_pool``)."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    kv = SWAKVPool(
+        size=DEVICE_PAGES * PAGE,
+        size_swa=DEVICE_PAGES * PAGE,
+        page_size=PAGE,
+        dtype=torch.float8_e4m3fn,
+        head_num=args.heads,
+        head_dim=HEAD_DIM,
+        full_attention_layer_ids=list(HYBRID_FULL_LAYERS),
+        swa_attention_layer_ids=[
+            i for i in range(LAYERS) if i not in HYBRID_FULL_LAYERS
+        ],
+        device=device,
+        token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+    )
+    allocator = SWATokenToKVPoolAllocator(
+        kv.size, kv.size_swa, PAGE, torch.int64, device, kv, need_sort=False
+    )
+    layers = []
+    for layer in range(LAYERS):
+        index, swa = kv.layers_mapping[layer]
+        pool = kv.swa_kv_pool if swa else kv.full_kv_pool
+        layers.append(SoakLayer(pool, index, swa))
+    return kv, allocator, layers
+
+
+STACKS = {"kv": _kv_stack, "hybrid_swa": _hybrid_swa_stack}
+"""``--stack``: one pool of ``--kv-cache-dtype`` (mxfp8, fp4_mx_block16), or a
+hybrid SWA model's full and sliding-window MXFP8 pools."""
 
 
 class Soak:
@@ -259,13 +399,15 @@ class Soak:
         self.started = time.monotonic()
         self.args, self.device, self.l3_dir = args, device, l3_dir
         self.rng = random.Random(args.seed)
-        self.shadow = Shadow(args.seed, args.heads, device)
-        self.cache, self.kv, self.allocator, self.requests = build_cache(
+        self.cache, self.kv, self.allocator, self.requests, layers = build_cache(
             args, device, l3_dir
         )
+        self.shadow = Shadow(args.seed, layers, self.allocator, device != "cpu")
         self.controller = self.cache.cache_controller
         self.figures = SoakFigures(
             device=device,
+            stack=args.stack,
+            kv_cache_dtype=args.kv_cache_dtype,
             tree_core=type(self.cache.tree_core).__name__,
             write_policy=args.write_policy,
             l3=args.l3,
@@ -396,11 +538,15 @@ class Soak:
     # -- checks ---------------------------------------------------------------
 
     def _check(self, req, length: int, token_ids: list[int], where: str) -> None:
+        """``length`` tokens of ``req``'s row against the shadow; sliding-window
+        layers in the window before ``length`` only (SGLang frees a request's
+        sliding-window slots behind it as it goes)."""
         if length == 0:
             return
+        window_from = max(0, length - SLIDING_WINDOW)
         slots = self.requests.req_to_token[req.kv.req_pool_idx, :length].long()
         rows = self.shadow.rows(token_ids[:length])
-        bad = self.shadow.mismatched(self.kv, slots, rows)
+        bad = self.shadow.mismatched(slots, rows, window_from)
         self.figures.tokens_checked += length
         if bad:
             self.figures.mismatches += len(bad)
@@ -562,7 +708,7 @@ class Soak:
             token_ids = list(req.full_untruncated_fill_ids)
             self._check(req, req.prefix_len, token_ids, "served prefix")
             rows = self.shadow.rows(token_ids)[req.prefix_len : req.extend_end]
-            self.shadow.write(self.kv, out, rows)
+            self.shadow.write(out, rows)
             req.output_ids.append(self.rng.randrange(1, 30000))
             if len(req.output_ids) >= req.sampling_params.max_new_tokens:
                 self._finish(req)
@@ -588,7 +734,7 @@ class Soak:
             req.kv.kv_allocated_len += 1
             req.kv.kv_committed_len += 1
             token_ids = list(req.origin_input_ids) + list(req.output_ids)
-            self.shadow.write(self.kv, out, self.shadow.rows(token_ids)[position:])
+            self.shadow.write(out, self.shadow.rows(token_ids)[position:])
             req.output_ids.append(self.rng.randrange(1, 30000))
             if len(req.output_ids) >= req.sampling_params.max_new_tokens:
                 self.running.remove(req)
@@ -621,10 +767,11 @@ class Soak:
         cache.reset()
         self.requests.clear()
         self.allocator.clear()
-        for tensor in device_buffers(self.kv):
-            tensor.view(torch.uint8).fill_(0xEE)
-        host = self.controller.mem_pool_host.anchor_entry.host_pool
-        host_page_rows(host).fill_(0xDD)
+        for pool in {id(d.pool): d.pool for d in self.shadow.layers}.values():
+            for tensor in device_buffers(pool):
+                tensor.view(torch.uint8).fill_(0xEE)
+        for entry in self.controller.mem_pool_host.entries:
+            host_page_rows(entry.host_pool).fill_(0xDD)
         self.figures.tier_flushes += 1
 
     def run(self) -> SoakFigures:
@@ -688,6 +835,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--l3", choices=("file",), default=None)
     parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
+    parser.add_argument("--stack", choices=tuple(STACKS), default="kv")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("mxfp8", "fp4_mx_block16"), default="mxfp8"
+    )
     parser.add_argument("--core", choices=("python", "rust"), default=None)
     parser.add_argument("--heads", type=int, default=2, help="KV heads (geometry)")
     parser.add_argument(
@@ -714,6 +865,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--faults: unknown {sorted(unknown)}")
     if args.l3 is None and {"file", "backend_error"} & set(args.faults):
         parser.error("--faults file and backend_error need --l3 file")
+    if args.stack == "hybrid_swa" and args.kv_cache_dtype != "mxfp8":
+        parser.error("--stack hybrid_swa is built over mxfp8 pools")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with pytest.MonkeyPatch.context() as monkeypatch:
         if device == "cpu":
