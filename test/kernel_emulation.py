@@ -624,6 +624,11 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
         for name in ("_cuda_host_register", "_cuda_host_unregister"):
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, lambda *args, **kwargs: None)
+    # SGLang's L2 engine synchronises its stream when a submission raises; a
+    # CPU stream runs everything at once and has no such method.
+    monkeypatch.setattr(
+        torch.cpu.Stream, "synchronize", lambda self: None, raising=False
+    )
 
     def unpinned(get_page):
         """A flat page target that a pinned pool would pin (the generic L3 read)."""

@@ -58,13 +58,17 @@ TABLE_ROWS = 4093
 """Rows of the shadow table: a token's row is its prefix's hash modulo this."""
 WAIT_S = 60.0
 """Longest any wait may take before it counts as a hang."""
-FAULTS = ("file", "backend_error", "host_exhausted")
+FAULTS = ("file", "backend_error", "host_exhausted", "eviction_race", "kernel_refused")
 """What ``--faults`` injects while the soak runs: ``file``, stored pages of
 L3 ``file`` truncated, lengthened or deleted under it; ``backend_error``, an
 L3 read that raises after writing its batch's host pages, or a write that
-raises; ``host_exhausted``, most of the free host pool taken for a while.
-Each must end as a miss or a recompute, never as wrong bytes or a hang."""
-FAULT_EVERY, HOST_HOLD_STEPS = 7, 10
+raises; ``host_exhausted``, most of the free host pool taken for a while;
+``eviction_race``, everything evictable on host and device evicted while a
+load back is queued and again while it is in flight; ``kernel_refused``, one
+load (after ``REFUSE_AFTER_STEPS``) whose device indices hold a page that is
+not one aligned run. Each must end as a miss, a recompute or (the refused
+kernel) a clean error, never as wrong bytes or a hang."""
+FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
 
 
 class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -93,6 +97,9 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokens_checked: int = 0
     mismatches: int = 0
     hangs: int = 0
+    clean_error: str = ""
+    """The error that ended the run, as it would end the scheduler (only a
+    refused kernel may end one)."""
     first_mismatches: list[str] = []
 
 
@@ -178,8 +185,10 @@ class Shadow:
             for d in layers
         ]
         self.tables = [
-            [torch.empty(TABLE_ROWS, b.width, dtype=torch.uint8, device=device)
-             for b in buffers]
+            [
+                torch.empty(TABLE_ROWS, b.width, dtype=torch.uint8, device=device)
+                for b in buffers
+            ]
             for buffers in self.buffers
         ]
         chunk = PAGE * (layers[0].pool.size // PAGE - 1)
@@ -196,11 +205,23 @@ class Shadow:
 
         pool = d.pool
         layer = RadixAttention(
-            pool.head_num, pool.head_dim, pool.head_dim**-0.5, pool.head_num,
+            pool.head_num,
+            pool.head_dim,
+            pool.head_dim**-0.5,
+            pool.head_num,
             layer_id=d.layer,
         )
         k, v = self.bf16[n]
         pool.set_kv_buffer(layer, slots, k[rows], v[rows])
+
+    def snapshot(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Every buffer's bytes at full-attention ``slots``."""
+        return [
+            b.get(slots).clone()
+            for d, buffers in zip(self.layers, self.buffers, strict=True)
+            for b in buffers
+            if not d.swa
+        ]
 
     @staticmethod
     def rows(token_ids: list[int]) -> list[int]:
@@ -430,6 +451,8 @@ class Soak:
         self._count_transfers()
         if "backend_error" in args.faults:
             self._make_backend_fail()
+        if "kernel_refused" in args.faults:
+            self._make_a_load_malformed()
         if args.no_l3_writes:  # what is in L3 came from another process
             self.controller.page_set_func = lambda *args, **kwargs: False
 
@@ -490,6 +513,58 @@ class Soak:
             return put(*args, **kwargs)
 
         controller.page_get_func, controller.page_set_func = failing_get, failing_put
+
+    def _make_a_load_malformed(self) -> None:
+        """The first load after ``REFUSE_AFTER_STEPS`` gets device indices
+        whose first page is its tokens in reverse (not one aligned run). The
+        kernel must move no byte of that page and the pool's next transfer
+        raise (made here at once: a synchronise and the check that opens every
+        transfer); what the page held before is compared after."""
+        from sglang_mxfp8_hicache.tools.pools import synchronize
+
+        host = self.controller.mem_pool_host.anchor_entry.host_pool
+        load = host.load_to_device_per_layer
+        malformed: dict[int, torch.Tensor] = {}
+
+        def refused_load(device_pool, host_indices, device_indices, *args, **kwargs):
+            if self.figures.steps < REFUSE_AFTER_STEPS or self.figures.faults.get(
+                "kernel_refused"
+            ):
+                return load(device_pool, host_indices, device_indices, *args, **kwargs)
+            if id(device_indices) not in malformed:
+                bad = device_indices.clone()
+                bad[:PAGE] = device_indices[:PAGE].flip(0)
+                malformed[id(device_indices)] = bad
+            bad = malformed[id(device_indices)]
+            slots = bad[:PAGE].to(self.device).long()
+            before = self.shadow.snapshot(slots)
+            try:
+                load(device_pool, host_indices, bad, *args, **kwargs)
+                synchronize(self.device)
+                host._mover.raise_if_refused()
+            finally:
+                if any(
+                    not torch.equal(a, b)
+                    for a, b in zip(before, self.shadow.snapshot(slots), strict=True)
+                ):
+                    self.figures.mismatches += 1
+                    self.figures.first_mismatches.append(
+                        "kernel_refused: the refused page was written"
+                    )
+                self._fault("kernel_refused")
+            raise AssertionError("the malformed page was not refused")
+
+        host.load_to_device_per_layer = refused_load
+
+    def _race_eviction(self) -> None:
+        """Everything evictable, on host and device, evicted now."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        if "eviction_race" not in self.args.faults:
+            return
+        self.cache.evict_host(self.controller.mem_pool_host.size)
+        self.cache.evict(EvictParams(num_tokens=self.allocator.size))
+        self._fault("eviction_race")
 
     def _damage_stored_pages(self) -> None:
         """A stored page of L3 ``file`` truncated, lengthened or deleted."""
@@ -645,6 +720,8 @@ class Soak:
                 self.figures.pages_loaded_from_host += req.host_loaded_length // PAGE
             req.extend_end = fill
             req.lock = cache.lock(req.last_node)
+            if req.host_loaded_length:
+                self._race_eviction()  # the load is queued
         finally:
             cache.unlock(probe)
         cache.finish_storage_prefetch_admission(
@@ -700,6 +777,8 @@ class Soak:
         from sglang.srt.mem_cache.common import checkpoint_kv_cache
 
         consumer = self.cache.ready_to_load_host_cache()
+        if consumer >= 0:
+            self._race_eviction()  # the load is in flight
         slots = [self._allocate_extend(req) for req in batch]
         if consumer >= 0:  # the forward's layers wait on the loads
             event = self.controller.layer_done_counter.events[consumer].finish_event
@@ -774,28 +853,42 @@ class Soak:
             host_page_rows(entry.host_pool).fill_(0xDD)
         self.figures.tier_flushes += 1
 
+    def _step(self) -> None:
+        """One turn of ``event_loop_normal``: events, arrivals, a prefill batch
+        or a decode step, the pending backups, then faults and tier flushes."""
+        self.cache.check_hicache_events()
+        while len(self.waiting) < 2 * MAX_RUNNING:
+            self._arrive()
+        batch: list = []
+        for req in list(self.waiting):
+            if len(self.running) + len(batch) >= MAX_RUNNING:
+                break
+            if self._admit(req, batch):
+                self.waiting.remove(req)
+                batch.append(req)
+        if batch:
+            self._prefill(batch)
+        elif self.running:
+            self._decode()
+        self.cache.flush_pending_backups()
+        self.figures.steps += 1
+        self._inject_faults()
+        if self.args.l3 and self.figures.steps % self.args.flush_every == 0:
+            self._flush_tiers()
+
     def run(self) -> SoakFigures:
         deadline = time.monotonic() + self.args.seconds
         while time.monotonic() < deadline:
-            self.cache.check_hicache_events()
-            while len(self.waiting) < 2 * MAX_RUNNING:
-                self._arrive()
-            batch: list = []
-            for req in list(self.waiting):
-                if len(self.running) + len(batch) >= MAX_RUNNING:
-                    break
-                if self._admit(req, batch):
-                    self.waiting.remove(req)
-                    batch.append(req)
-            if batch:
-                self._prefill(batch)
-            elif self.running:
-                self._decode()
-            self.cache.flush_pending_backups()
-            self.figures.steps += 1
-            self._inject_faults()
-            if self.args.l3 and self.figures.steps % self.args.flush_every == 0:
-                self._flush_tiers()
+            try:
+                self._step()
+            except Exception as error:  # a refused kernel ends the scheduler
+                if not self.figures.faults.get("kernel_refused") or isinstance(
+                    error, AssertionError
+                ):
+                    raise
+                self.figures.clean_error = f"{type(error).__name__}: {error}"
+                self.figures.wall_s = round(time.monotonic() - self.started, 1)
+                return self.figures
         self._drain()
         cache = self.cache
         # The scheduler's idle check: every device token free, evictable or held.

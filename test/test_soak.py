@@ -49,12 +49,18 @@ def soak(request, *flags: str) -> SoakFigures:
             ["--write-policy", "write_back", "--core", "python"], id="write_back-python"
         ),
         pytest.param(["--l3", "file", "--flush-every", "30"], id="l3_file"),
+        pytest.param(["--kv-cache-dtype", "fp4_mx_block16"], id="fp4_mx_block16"),
+        pytest.param(["--stack", "hybrid_swa", "--core", "python"], id="hybrid_swa"),
+        pytest.param(
+            ["--stack", "hybrid_swa", "--l3", "file", "--flush-every", "30"],
+            id="hybrid_swa-l3_file",
+        ),
     ],
 )
 def test_soak(request, flags):
     figures = soak(request, *flags)
     assert figures.mismatches == 0, figures.first_mismatches
-    assert figures.hangs == 0
+    assert figures.hangs == 0 and not figures.clean_error
     assert figures.host_pool == "MHATokenToKVPoolMXFP8Host"
     assert figures.requests_served > 20 and figures.tokens_checked > 0
     assert figures.pages_backed_up > 0 and figures.device_pages_evicted > 0
@@ -82,17 +88,30 @@ def test_soak_payload_only_control_is_caught(request):
         ),
         pytest.param("backend_error", {"backend_error"}, id="fault_backend_error"),
         pytest.param("host_exhausted", {"host_exhausted"}, id="fault_host_exhausted"),
+        pytest.param("eviction_race", {"eviction_race"}, id="fault_eviction_race"),
     ],
 )
 def test_soak_faults(request, faults, kinds):
     """Stored pages damaged under the cache, an L3 backend that raises (a read
-    after writing its host pages), the host pool nearly all taken: misses and
+    after writing its host pages), the host pool nearly all taken, everything
+    evictable evicted while a load back is queued and in flight: misses and
     recomputes, never a wrong byte or a hang."""
     figures = soak(request, "--l3", "file", "--flush-every", "30", "--faults", faults)
     assert figures.mismatches == 0, figures.first_mismatches
-    assert figures.hangs == 0
+    assert figures.hangs == 0 and not figures.clean_error
     assert kinds <= figures.faults.keys(), figures.faults
     assert figures.requests_served > 20 and figures.pages_loaded_from_l3 > 0
+
+
+def test_soak_fault_kernel_refused(request):
+    """A load whose device indices hold a page that is not one aligned run:
+    the kernel moves no byte of it and the pool raises, naming the page (CPU
+    indices at once, GPU indices at the next transfer), which ends the
+    scheduler as a clean error; nothing served before it was wrong."""
+    figures = soak(request, "--faults", "kernel_refused")
+    assert figures.faults == {"kernel_refused": 1}
+    assert "not one aligned run" in figures.clean_error, figures.clean_error
+    assert figures.mismatches == 0 and figures.hangs == 0, figures.first_mismatches
 
 
 def test_restart(request, tmp_path):
