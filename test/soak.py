@@ -75,6 +75,8 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What one run did and found; written as one JSON line, read by the tests."""
 
     device: str
+    tp_rank: int = 0
+    tp_size: int = 1
     stack: str
     kv_cache_dtype: str
     tree_core: str
@@ -282,11 +284,6 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         # The control: what SGLang 0.5.16-0.5.20 pick for an MXFP8 pool.
         hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: PayloadOnlyHost
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = l3_dir
-    if args.l3:  # L3 keys hash through a C++ extension built on first use:
-        # built here, not inside a storage thread that a reset must join.
-        from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-        get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)
     # model_path "dummy" skips model resolution and HiCache flag
     # normalisation: every flag it would settle is given.
     server_args = ServerArgs(
@@ -303,16 +300,33 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         hicache_storage_backend=args.l3,
         hicache_storage_prefetch_policy="wait_complete",
         disable_cuda_graph=True,
+        tp_size=args.tp,
     )
     publish(
         server_args,
         role="scheduler",
-        ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0),
+        ranks=SpawnRanks(world_rank=args.rank, dp_rank=None, gpu_id=args.rank),
     )
     dist.init_process_group(
-        "gloo", init_method=f"file://{tempfile.mktemp()}", world_size=1, rank=0
+        "gloo",
+        init_method=f"file://{args.init_file or tempfile.mktemp()}",
+        world_size=args.tp,
+        rank=args.rank,
     )
+    # The scheduler's groups: tensor parallel over every rank; attention
+    # context parallel and pipeline of this rank alone (each rank makes
+    # every group, in one order: new_group is collective).
     group = dist.group.WORLD
+    alone = [dist.new_group([rank], backend="gloo") for rank in range(args.tp)]
+    if args.l3:  # L3 keys hash through a C++ extension built on first use:
+        # built here, one rank at a time, not inside a storage thread that a
+        # reset must join.
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        for rank in range(args.tp):
+            if rank == args.rank:
+                get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)
+            dist.barrier()
     kv, allocator, layers = STACKS[args.stack](args, device)
     requests = ReqToTokenPool(
         size=2 * MAX_RUNNING + 2,
@@ -326,9 +340,9 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         token_to_kv_pool_allocator=allocator,
         page_size=PAGE,
         tp_cache_group=group,
-        attn_cp_cache_group=group,
+        attn_cp_cache_group=alone[args.rank],
         attn_tp_cache_group=group,
-        pp_cache_group=group,
+        pp_cache_group=alone[args.rank],
         sliding_window_size=SLIDING_WINDOW if args.stack == "hybrid_swa" else None,
         tree_core_backend=args.core,
     )
@@ -344,8 +358,8 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
                 register_hicache_layer_transfer_counter=lambda counter: None
             ),
             model_config=None,
-            tp_size=1,
-            tp_rank=0,
+            tp_size=args.tp,
+            tp_rank=args.rank,
             tp_group=group,
         )
     )
@@ -423,10 +437,16 @@ class Soak:
         self.cache, self.kv, self.allocator, self.requests, layers = build_cache(
             args, device, l3_dir
         )
-        self.shadow = Shadow(args.seed, layers, self.allocator, device != "cpu")
+        # One workload on every rank; each rank's heads hold their own bytes.
+        self.shadow = Shadow(
+            args.seed + 1000 * args.rank, layers, self.allocator, device != "cpu"
+        )
+        self.fault_rng = random.Random(args.seed + 7 + args.rank)
         self.controller = self.cache.cache_controller
         self.figures = SoakFigures(
             device=device,
+            tp_rank=args.rank,
+            tp_size=args.tp,
             stack=args.stack,
             kv_cache_dtype=args.kv_cache_dtype,
             tree_core=type(self.cache.tree_core).__name__,
@@ -496,7 +516,7 @@ class Soak:
     def _make_backend_fail(self) -> None:
         """One L3 read or write in eight raises; a read raises after the
         backend has written its batch's host pages, as a failure mid-batch."""
-        controller, rng = self.controller, random.Random(self.args.seed + 1)
+        controller, rng = self.controller, self.fault_rng
         get, put = controller.page_get_func, controller.page_set_func
 
         def failing_get(*args, **kwargs):
@@ -567,12 +587,17 @@ class Soak:
         self._fault("eviction_race")
 
     def _damage_stored_pages(self) -> None:
-        """A stored page of L3 ``file`` truncated, lengthened or deleted."""
-        names = sorted(os.listdir(self.l3_dir))
+        """A stored page of L3 ``file`` truncated, lengthened or deleted; with
+        ranks, only the last rank's pages (each rank stores its own heads)."""
+        args = self.args
+        if args.rank != args.tp - 1:
+            return
+        own = f"_{args.rank}_{args.tp}.bin"
+        names = sorted(name for name in os.listdir(self.l3_dir) if name.endswith(own))
         if not names:
             return
-        path = os.path.join(self.l3_dir, self.rng.choice(names))
-        how = self.rng.choice(("truncated", "lengthened", "deleted"))
+        path = os.path.join(self.l3_dir, self.fault_rng.choice(names))
+        how = self.fault_rng.choice(("truncated", "lengthened", "deleted"))
         try:
             if how == "deleted":
                 os.remove(path)
@@ -631,12 +656,23 @@ class Soak:
                     f"position {bad[0]} (slot {int(slots[bad[0]])})"
                 )
 
+    def _agreed(self, flag: bool) -> bool:
+        """``flag`` on any rank: every rank steps and waits alike, as the
+        scheduler's collectives need (one clock would not be every rank's)."""
+        if self.args.tp == 1:
+            return flag
+        import torch.distributed as dist
+
+        vote = torch.tensor([int(flag)])
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        return bool(vote.item())
+
     def _wait(self, busy, what: str) -> None:
         """Run ``check_hicache_events`` until ``busy()`` is false, bounded."""
         deadline = time.monotonic() + WAIT_S
-        while busy():
+        while self._agreed(bool(busy())):
             self.cache.check_hicache_events()
-            if time.monotonic() > deadline:
+            if self._agreed(time.monotonic() > deadline):
                 self.figures.hangs += 1
                 raise TimeoutError(f"{what} still busy after {WAIT_S:.0f} s")
             time.sleep(0.005)
@@ -832,6 +868,9 @@ class Soak:
                 cache.ongoing_write_through
                 or cache.ongoing_load_back
                 or cache.ongoing_backup
+                # a reset stops the storage threads: none may be inside a
+                # prefetch whose all-reduce another rank would not join
+                or cache.ongoing_prefetch
             ),
             "transfers",
         )
@@ -878,7 +917,7 @@ class Soak:
 
     def run(self) -> SoakFigures:
         deadline = time.monotonic() + self.args.seconds
-        while time.monotonic() < deadline:
+        while not self._agreed(time.monotonic() >= deadline):
             try:
                 self._step()
             except Exception as error:  # a refused kernel ends the scheduler
@@ -910,14 +949,17 @@ class Soak:
         from sglang.srt.runtime_context import reset_context
 
         torch.get_device_module(self.device).synchronize()
+        dist.barrier()
         self.cache.shutdown()  # detaches L3 first: a reset would restart its threads
         self.controller.reset()
         self.cache.release_host_resources()
+        dist.barrier()
         dist.destroy_process_group()
         reset_context()
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak's flags, with the combinations it refuses."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -932,6 +974,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--kv-cache-dtype", choices=("mxfp8", "fp4_mx_block16"), default="mxfp8"
     )
+    parser.add_argument(
+        "--tp", type=int, choices=(1, 2), default=1, help="ranks, one process each"
+    )
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--init-file", help=argparse.SUPPRESS)
     parser.add_argument("--core", choices=("python", "rust"), default=None)
     parser.add_argument("--heads", type=int, default=2, help="KV heads (geometry)")
     parser.add_argument(
@@ -960,7 +1007,29 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--faults file and backend_error need --l3 file")
     if args.stack == "hybrid_swa" and args.kv_cache_dtype != "mxfp8":
         parser.error("--stack hybrid_swa is built over mxfp8 pools")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if (
+        args.write_policy == "write_back"
+        and args.l3
+        and "host_exhausted" in args.faults
+    ):
+        parser.error(
+            "--write-policy write_back with --l3 and --faults host_exhausted: SGLang "
+            "0.5.23's write-back eviction cannot free a node whose subtree holds "
+            "an L3 write's host lock while the host pool is full, yet counts it "
+            "as evictable, so an admitted prefill fails with 'Prefill out of "
+            "memory' (test/sglang_write_back_oom.py reproduces it)"
+        )
+    if args.tp > 1 and "kernel_refused" in args.faults:
+        parser.error("--faults kernel_refused ends one rank: run it with --tp 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tp > 1 and args.init_file is None:
+        return launch_ranks(args, argv if argv is not None else sys.argv[1:])
+    # Ranks run on the CPU (gloo, emulated kernels), as many as asked.
+    device = "cuda" if torch.cuda.is_available() and args.tp == 1 else "cpu"
     with pytest.MonkeyPatch.context() as monkeypatch:
         if device == "cpu":
             sys.path.insert(0, os.path.dirname(__file__))
@@ -974,6 +1043,39 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 soak.close()
     print(msgspec.json.encode(figures).decode(), flush=True)
+
+
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--tp`` processes of this script over one gloo rendezvous file and
+    one L3 directory; each prints its rank's figures, in rank order here."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="soak-ranks-") as work:
+        l3_dir = args.l3_dir or os.path.join(work, "l3")
+        os.makedirs(l3_dir, exist_ok=True)  # only rank 0 would make it
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, __file__, *argv, "--rank", str(rank)]
+                + ["--init-file", os.path.join(work, "rendezvous")]
+                + ([] if args.l3_dir else ["--l3-dir", l3_dir]),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(args.tp)
+        ]
+        outputs = []
+        for rank in ranks:
+            try:
+                out, _ = rank.communicate(timeout=args.seconds + 600)
+            except subprocess.TimeoutExpired:
+                for other in ranks:
+                    other.kill()
+                raise
+            outputs.append(out)
+    for out in outputs:
+        print(out.strip().splitlines()[-1] if out.strip() else "", flush=True)
+    if failed := [n for n, rank in enumerate(ranks) if rank.returncode]:
+        sys.exit(f"rank(s) {failed} failed")
 
 
 if __name__ == "__main__":
