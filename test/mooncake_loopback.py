@@ -256,6 +256,10 @@ class MooncakeLoopback:
             "--logtostderr",
         )
         self._wait("master", self._master_ready, "/health to answer ok")
+        self.start_node()
+
+    def start_node(self) -> None:
+        """Starts the storage node on its port and waits for its segment."""
         self._spawn(
             "node",
             "mooncake_client",
@@ -268,6 +272,13 @@ class MooncakeLoopback:
             "--logtostderr",
         )
         self._wait("node", lambda: bool(self.segments()), "its segment to be mounted")
+
+    def kill_node(self) -> None:
+        """SIGKILLs the storage node, as a crash: its segment and every object
+        in it are gone, the master learns of it by itself."""
+        proc = self._procs.pop("node")
+        proc.kill()
+        proc.wait()
 
     def _spawn(self, name: str, script: str, *args: str) -> None:
         assert self.log_dir is not None

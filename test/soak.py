@@ -34,6 +34,8 @@ CUDA the kernels are emulated (``kernel_emulation``). Prints one JSON line,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import random
 import sys
@@ -58,7 +60,14 @@ TABLE_ROWS = 4093
 """Rows of the shadow table: a token's row is its prefix's hash modulo this."""
 WAIT_S = 60.0
 """Longest any wait may take before it counts as a hang."""
-FAULTS = ("file", "backend_error", "host_exhausted", "eviction_race", "kernel_refused")
+FAULTS = (
+    "file",
+    "backend_error",
+    "host_exhausted",
+    "eviction_race",
+    "kernel_refused",
+    "node_restart",
+)
 """What ``--faults`` injects while the soak runs: ``file``, stored pages of
 L3 ``file`` truncated, lengthened or deleted under it; ``backend_error``, an
 L3 read that raises after writing its batch's host pages, or a write that
@@ -66,9 +75,12 @@ raises; ``host_exhausted``, most of the free host pool taken for a while;
 ``eviction_race``, everything evictable on host and device evicted while a
 load back is queued and again while it is in flight; ``kernel_refused``, one
 load (after ``REFUSE_AFTER_STEPS``) whose device indices hold a page that is
-not one aligned run. Each must end as a miss, a recompute or (the refused
+not one aligned run; ``node_restart``, the Mooncake storage node killed every
+``NODE_RESTART_EVERY`` steps and started again ``NODE_DOWN_STEPS`` later
+(every object it held is gone). Each must end as a miss, a recompute or (the refused
 kernel) a clean error, never as wrong bytes or a hang."""
 FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
+NODE_RESTART_EVERY, NODE_DOWN_STEPS = 60, 20
 
 
 class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -298,6 +310,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         hicache_write_policy=args.write_policy,
         hicache_host_memory_mode="cache",
         hicache_storage_backend=args.l3,
+        hicache_storage_backend_extra_config=args.l3_config,
         hicache_storage_prefetch_policy="wait_complete",
         disable_cuda_graph=True,
         tp_size=args.tp,
@@ -430,9 +443,14 @@ hybrid SWA model's full and sliding-window MXFP8 pools."""
 class Soak:
     """The scheduler's loop over the cache, with the shadow checked."""
 
-    def __init__(self, args: argparse.Namespace, device: str, l3_dir: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, device: str, l3_dir: str, mooncake=None
+    ) -> None:
+        """``mooncake``: the ``MooncakeLoopback`` that ``--l3 mooncake``
+        runs on, when this process started it (its node can be restarted)."""
         self.started = time.monotonic()
         self.args, self.device, self.l3_dir = args, device, l3_dir
+        self.mooncake, self.node_killed_at = mooncake, None
         self.rng = random.Random(args.seed)
         self.cache, self.kv, self.allocator, self.requests, layers = build_cache(
             args, device, l3_dir
@@ -634,6 +652,20 @@ class Soak:
             self._damage_stored_pages()
         if "host_exhausted" in self.args.faults:
             self._exhaust_host()
+        if "node_restart" in self.args.faults:
+            self._restart_node()
+
+    def _restart_node(self) -> None:
+        steps = self.figures.steps
+        if self.node_killed_at is None and steps % NODE_RESTART_EVERY == 0:
+            self.mooncake.kill_node()
+            self.node_killed_at = steps
+            self._fault("node_killed")
+        elif self.node_killed_at is not None:
+            if steps - self.node_killed_at >= NODE_DOWN_STEPS:
+                self.mooncake.start_node()
+                self.node_killed_at = None
+                self._fault("node_restarted")
 
     # -- checks ---------------------------------------------------------------
 
@@ -968,7 +1000,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("write_through", "write_back", "write_through_selective"),
         default="write_through",
     )
-    parser.add_argument("--l3", choices=("file",), default=None)
+    parser.add_argument("--l3", choices=("file", "mooncake"), default=None)
+    parser.add_argument(
+        "--l3-config",
+        help="--hicache-storage-backend-extra-config (mooncake: a running store; "
+        "default: a loopback master and storage node for this run)",
+    )
     parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
     parser.add_argument("--stack", choices=tuple(STACKS), default="kv")
     parser.add_argument(
@@ -1003,8 +1040,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if unknown := set(args.faults) - set(FAULTS):
         parser.error(f"--faults: unknown {sorted(unknown)}")
-    if args.l3 is None and {"file", "backend_error"} & set(args.faults):
-        parser.error("--faults file and backend_error need --l3 file")
+    if args.l3 is None and "backend_error" in args.faults:
+        parser.error("--faults backend_error needs --l3")
+    if args.l3 != "file" and "file" in args.faults:
+        parser.error("--faults file needs --l3 file")
+    if "node_restart" in args.faults and (args.l3 != "mooncake" or args.l3_config):
+        parser.error("--faults node_restart needs --l3 mooncake of this run's own")
     if args.stack == "hybrid_swa" and args.kv_cache_dtype != "mxfp8":
         parser.error("--stack hybrid_swa is built over mxfp8 pools")
     if (
@@ -1019,6 +1060,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "as evictable, so an admitted prefill fails with 'Prefill out of "
             "memory' (test/sglang_write_back_oom.py reproduces it)"
         )
+    if args.tp > 1 and args.l3 == "mooncake":
+        parser.error("--tp 2 shares one L3 --l3 file directory; not --l3 mooncake")
     if args.tp > 1 and "kernel_refused" in args.faults:
         parser.error("--faults kernel_refused ends one rank: run it with --tp 1")
     return args
@@ -1036,8 +1079,15 @@ def main(argv: list[str] | None = None) -> None:
             from kernel_emulation import install_stack_emulation
 
             install_stack_emulation(monkeypatch)
-        with tempfile.TemporaryDirectory(prefix="soak-l3-") as fresh:
-            soak = Soak(args, device, args.l3_dir or fresh)
+        with contextlib.ExitStack() as stack:
+            fresh = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-l3-"))
+            mooncake = None
+            if args.l3 == "mooncake" and args.l3_config is None:
+                from mooncake_loopback import MooncakeLoopback
+
+                mooncake = stack.enter_context(MooncakeLoopback())
+                args.l3_config = json.dumps(mooncake.extra_config())
+            soak = Soak(args, device, args.l3_dir or fresh, mooncake)
             try:
                 figures = soak.run()
             finally:

@@ -115,19 +115,44 @@ def test_soak_fault_kernel_refused(request):
     assert figures.mismatches == 0 and figures.hangs == 0, figures.first_mismatches
 
 
-def test_restart(request, tmp_path):
-    """A second process over the same ``file`` store, storing nothing itself,
-    finds the first process's pages through the tree's L3 prefetch and
-    restores them exactly; a process of another geometry finds none (its keys
-    carry its format and geometry)."""
-    store = ["--l3", "file", "--l3-dir", str(tmp_path), "--flush-every", "30"]
+def test_soak_fault_node_restart(request):
+    """The Mooncake storage node SIGKILLed under the cache (every object it
+    held gone) and started again, over and over: reads and writes fail while
+    it is down and miss what it lost after, never a wrong byte or a hang."""
+    from mooncake_loopback import mooncake_available
+
+    if reason := mooncake_available():
+        pytest.skip(reason)
+    figures = soak(
+        request, "--l3", "mooncake", "--flush-every", "30", "--faults", "node_restart"
+    )
+    assert figures.mismatches == 0, figures.first_mismatches
+    assert figures.hangs == 0 and not figures.clean_error
+    assert figures.faults.get("node_killed", 0) >= 2, figures.faults
+    assert figures.faults.get("node_restarted", 0) >= 1, figures.faults
+    assert figures.requests_served > 20 and figures.pages_loaded_from_l3 > 0
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_restart(request, tmp_path, backend):
+    """A second process over the same ``file`` store or Mooncake master,
+    storing nothing itself, finds the first process's pages through the
+    tree's L3 prefetch and restores them exactly; a process of another
+    geometry or format finds none (its keys carry both)."""
+    if backend == "file":
+        store = ["--l3", "file", "--l3-dir", str(tmp_path)]
+    else:
+        mooncake = request.getfixturevalue("mooncake")
+        store = ["--l3", "mooncake", "--l3-config", json.dumps(mooncake.extra_config())]
+    store += ["--flush-every", "30"]
     first = soak(request, *store)
-    assert first.mismatches == 0 and os.listdir(tmp_path)
+    assert first.mismatches == 0 and first.pages_backed_up > 0
     second = soak(request, *store, "--no-l3-writes")
     assert second.mismatches == 0 and second.hangs == 0, second.first_mismatches
     assert second.pages_loaded_from_l3 > 0
-    other = soak(request, *store, "--no-l3-writes", "--heads", "4")
-    assert other.mismatches == 0 and other.pages_loaded_from_l3 == 0
+    for other in (["--heads", "4"], ["--kv-cache-dtype", "fp4_mx_block16"]):
+        figures = soak(request, *store, "--no-l3-writes", *other)
+        assert figures.mismatches == 0 and figures.pages_loaded_from_l3 == 0, other
 
 
 def test_tp2(request):
