@@ -52,7 +52,7 @@ import pytest
 import torch
 
 PAGE, HEAD_DIM, LAYERS = 128, 128, 4
-HYBRID_FULL_LAYERS, SLIDING_WINDOW = (1, 3), 2 * PAGE
+HYBRID_FULL_LAYERS, SLIDING_WINDOW, DRAFTS = (1, 3), 2 * PAGE, 2
 DEVICE_PAGES, HICACHE_RATIO = 16, 2.0
 DOCUMENTS, DOCUMENT_PAGES, ZIPF = 8, 6, 1.1
 MAX_RUNNING, MAX_NEW_TOKENS = 3, 40
@@ -341,6 +341,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
                 get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)
             dist.barrier()
     kv, allocator, layers = STACKS[args.stack](args, device)
+    drafts = tuple(d.pool for d in layers if d.pool is not kv and not d.swa)
     requests = ReqToTokenPool(
         size=2 * MAX_RUNNING + 2,
         max_context_len=4096,
@@ -357,6 +358,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         attn_tp_cache_group=group,
         pp_cache_group=alone[args.rank],
         sliding_window_size=SLIDING_WINDOW if args.stack == "hybrid_swa" else None,
+        mtp_draft_device_pools=drafts if args.stack == "draft" else (),
         tree_core_backend=args.core,
     )
     cache = create_tree_cache(
@@ -383,23 +385,30 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
 
 
 def _kv_stack(args: argparse.Namespace, device: str):
-    """One block-scaled pool of ``--kv-cache-dtype`` and SGLang's paged allocator."""
+    """One block-scaled pool of ``--kv-cache-dtype`` and SGLang's paged
+    allocator; ``draft``: and ``DRAFTS`` one-layer MTP draft pools of the same
+    slots, which SGLang packs into the target's host pages."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
     from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
-    kv = build_device_pool(
-        head_num=args.heads,
-        head_dim=HEAD_DIM,
-        layer_num=LAYERS,
-        pages=DEVICE_PAGES,
-        device=device,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    pools = [
+        build_device_pool(
+            head_num=args.heads,
+            head_dim=HEAD_DIM,
+            layer_num=layer_num,
+            pages=DEVICE_PAGES,
+            device=device,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        for layer_num in (LAYERS, *(1,) * (DRAFTS if args.stack == "draft" else 0))
+    ]
+    kv = pools[0]
     allocator = PagedTokenToKVPoolAllocator(
         kv.size, PAGE, torch.int64, device, kv, need_sort=False
     )
-    return kv, allocator, [SoakLayer(kv, layer) for layer in range(LAYERS)]
+    layers = [SoakLayer(kv, layer) for layer in range(LAYERS)]
+    return kv, allocator, layers + [SoakLayer(draft, 0) for draft in pools[1:]]
 
 
 def _hybrid_swa_stack(args: argparse.Namespace, device: str):
@@ -435,9 +444,10 @@ def _hybrid_swa_stack(args: argparse.Namespace, device: str):
     return kv, allocator, layers
 
 
-STACKS = {"kv": _kv_stack, "hybrid_swa": _hybrid_swa_stack}
+STACKS = {"kv": _kv_stack, "draft": _kv_stack, "hybrid_swa": _hybrid_swa_stack}
 """``--stack``: one pool of ``--kv-cache-dtype`` (mxfp8, fp4_mx_block16), or a
-hybrid SWA model's full and sliding-window MXFP8 pools."""
+hybrid SWA model's full and sliding-window MXFP8 pools; ``draft``: ``kv`` with
+packed MTP draft pools."""
 
 
 class Soak:

@@ -56,6 +56,10 @@ def soak(request, *flags: str, ranks: int = 1) -> SoakFigures | list[SoakFigures
             ["--stack", "hybrid_swa", "--l3", "file", "--flush-every", "30"],
             id="hybrid_swa-l3_file",
         ),
+        pytest.param(
+            ["--stack", "draft", "--l3", "file", "--flush-every", "30"],
+            id="draft-l3_file",
+        ),
     ],
 )
 def test_soak(request, flags):
