@@ -24,6 +24,12 @@ def pytest_addoption(parser):
         default=20.0,
         help="how long each soak run drives the cache (test_soak.py)",
     )
+    parser.addoption(
+        "--soak-seed",
+        type=int,
+        default=0,
+        help="the soak's workload and shadow seed (a sweep: one session per seed)",
+    )
 
 
 def pytest_terminal_summary(terminalreporter):

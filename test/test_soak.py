@@ -1,12 +1,14 @@
 """The scheduler's own radix cache drives the host pool under a seeded load
-(``soak.py``), with faults injected (``fault_*``): nothing it serves differs
+(``soak.py``) over each stack, with faults injected (``fault_*``), across a
+restart (``restart``) and as two ranks (``tp2``): nothing it serves differs
 from the shadow, no wait hangs, and the run did what it is for (backups,
 evictions, loads from host and L3, the faults).
 
 Each run is its own process (the plugin hook is process-wide) of
-``--soak-seconds`` (20 by default; longer on request); on the CPU the kernels
-are emulated, on a GPU the real ones run. The payload-only control shows that
-the check fails when scales are lost.
+``--soak-seconds`` (20 by default; longer on request) with ``--soak-seed``
+(0; a sweep is one session per seed); on the CPU the kernels are emulated, on
+a GPU the real ones run. The payload-only control shows that the check fails
+when scales are lost.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ SOAK = os.path.join(os.path.dirname(__file__), "soak.py")
 def soak(request, *flags: str, ranks: int = 1) -> SoakFigures | list[SoakFigures]:
     """One run's figures (with ``ranks``, one per rank, in rank order)."""
     seconds = request.config.getoption("--soak-seconds")
+    seed = request.config.getoption("--soak-seed")
     done = subprocess.run(
-        [sys.executable, SOAK, "--seconds", str(seconds), "--seed", "0", *flags],
+        [sys.executable, SOAK, "--seconds", str(seconds), "--seed", str(seed), *flags],
         capture_output=True,
         text=True,
         timeout=seconds + 600,
