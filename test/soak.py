@@ -84,7 +84,7 @@ not one aligned run; ``node_restart``, the Mooncake storage node killed every
 (every object it held is gone). Each must end as a miss, a recompute or (the
 refused kernel) a clean error, never as wrong bytes or a hang."""
 FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
-NODE_RESTART_EVERY, NODE_DOWN_STEPS = 60, 20
+NODE_RESTART_EVERY, NODE_DOWN_STEPS = 120, 10
 
 
 class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -660,16 +660,18 @@ class Soak:
         self.held_host.clear()
 
     def _inject_faults(self) -> None:
+        if "node_restart" in self.args.faults:
+            self._restart_node()
         if self.figures.steps % FAULT_EVERY:
             return
         if "file" in self.args.faults:
             self._damage_stored_pages()
         if "host_exhausted" in self.args.faults:
             self._exhaust_host()
-        if "node_restart" in self.args.faults:
-            self._restart_node()
 
     def _restart_node(self) -> None:
+        """The storage node SIGKILLed every ``NODE_RESTART_EVERY`` steps and
+        started again (empty) ``NODE_DOWN_STEPS`` later."""
         steps = self.figures.steps
         if self.node_killed_at is None and steps % NODE_RESTART_EVERY == 0:
             self.mooncake.kill_node()

@@ -135,7 +135,7 @@ def test_soak_fault_node_restart(request):
     )
     assert figures.mismatches == 0, figures.first_mismatches
     assert figures.hangs == 0 and not figures.clean_error
-    assert figures.faults.get("node_killed", 0) >= 2, figures.faults
+    assert figures.faults.get("node_killed", 0) >= 1, figures.faults
     assert figures.faults.get("node_restarted", 0) >= 1, figures.faults
     assert figures.requests_served > 20 and figures.pages_loaded_from_l3 > 0
 
