@@ -44,8 +44,6 @@ PAGE = soak.PAGE
 
 
 def main() -> None:
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
     args = soak.parse_args(
         ["--write-policy", "write_back", "--l3", "file", *sys.argv[1:]]
     )
@@ -64,7 +62,7 @@ def main() -> None:
         put = controller.page_set_func
         controller.page_set_func = lambda *a, **k: landed.wait(60) and put(*a, **k)
         try:
-            report = _reproduce(run, cache, controller, EvictParams)
+            report = _reproduce(run, cache, controller)
         finally:
             landed.set()
             run._drain()
@@ -89,7 +87,10 @@ def _serve(run, token_ids: list[int]) -> None:
     run._prefill([req])
 
 
-def _reproduce(run, cache, controller, EvictParams) -> dict:
+def _reproduce(run, cache, controller) -> dict:
+    """The five steps of the module docstring; what each said."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
     tokens = list(range(1, 6 * PAGE))
     _serve(run, tokens[: 3 * PAGE])  # P
     _serve(run, tokens[: 5 * PAGE])  # C under P
