@@ -66,6 +66,9 @@ def soak(request, *flags: str, ranks: int = 1) -> SoakFigures | list[SoakFigures
     ],
 )
 def test_soak(request, flags):
+    """Each stack and policy under the scheduler's loop: nothing served or
+    kept differs from the shadow, and the run backed up, evicted and loaded
+    back (from host; with L3, from L3 after the tiers were emptied)."""
     figures = soak(request, *flags)
     assert figures.mismatches == 0, figures.first_mismatches
     assert figures.hangs == 0 and not figures.clean_error
