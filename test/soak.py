@@ -345,7 +345,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
                 get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)
             dist.barrier()
     kv, allocator, layers = STACKS[args.stack](args, device)
-    drafts = tuple(d.pool for d in layers if d.pool is not kv and not d.swa)
+    drafts = tuple(d.pool for d in layers[LAYERS:])  # the stack's MTP drafts
     requests = ReqToTokenPool(
         size=2 * MAX_RUNNING + 2,
         max_context_len=4096,
@@ -362,7 +362,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
         attn_tp_cache_group=group,
         pp_cache_group=alone[args.rank],
         sliding_window_size=SLIDING_WINDOW if args.stack == "hybrid_swa" else None,
-        mtp_draft_device_pools=drafts if args.stack == "draft" else (),
+        mtp_draft_device_pools=drafts,
         tree_core_backend=args.core,
     )
     cache = create_tree_cache(
