@@ -282,7 +282,8 @@ class Shadow:
 
 def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
     """The tree cache the scheduler builds (``kv_cache_builder.build_kv_cache``
-    then ``registry.create_tree_cache``), and its pools."""
+    then ``registry.create_tree_cache``), its allocator (which holds the
+    device pools), its request pool and the layers the shadow writes."""
     import torch.distributed as dist
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -344,7 +345,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
             if rank == args.rank:
                 get_storage_hash_str(list(range(PAGE)), None, page_size=PAGE)
             dist.barrier()
-    kv, allocator, layers = STACKS[args.stack](args, device)
+    allocator, layers = STACKS[args.stack](args, device)
     drafts = tuple(d.pool for d in layers[LAYERS:])  # the stack's MTP drafts
     requests = ReqToTokenPool(
         size=2 * MAX_RUNNING + 2,
@@ -385,7 +386,7 @@ def build_cache(args: argparse.Namespace, device: str, l3_dir: str):
     controller = cache.cache_controller
     stream = torch.get_device_module(device).current_stream()
     controller.load_fence_stream = controller.write_fence_stream = stream
-    return cache, kv, allocator, requests, layers
+    return cache, allocator, requests, layers
 
 
 def _kv_stack(args: argparse.Namespace, device: str):
@@ -412,7 +413,7 @@ def _kv_stack(args: argparse.Namespace, device: str):
         kv.size, PAGE, torch.int64, device, kv, need_sort=False
     )
     layers = [SoakLayer(kv, layer) for layer in range(LAYERS)]
-    return kv, allocator, layers + [SoakLayer(draft, 0) for draft in pools[1:]]
+    return allocator, layers + [SoakLayer(draft, 0) for draft in pools[1:]]
 
 
 def _hybrid_swa_stack(args: argparse.Namespace, device: str):
@@ -445,13 +446,14 @@ def _hybrid_swa_stack(args: argparse.Namespace, device: str):
         index, swa = kv.layers_mapping[layer]
         pool = kv.swa_kv_pool if swa else kv.full_kv_pool
         layers.append(SoakLayer(pool, index, swa))
-    return kv, allocator, layers
+    return allocator, layers
 
 
 STACKS = {"kv": _kv_stack, "draft": _kv_stack, "hybrid_swa": _hybrid_swa_stack}
 """``--stack``: one pool of ``--kv-cache-dtype`` (mxfp8, fp4_mx_block16), or a
 hybrid SWA model's full and sliding-window MXFP8 pools; ``draft``: ``kv`` with
-packed MTP draft pools."""
+packed MTP draft pools. Each builder returns SGLang's allocator over the
+pools and the layers the shadow writes."""
 
 
 class Soak:
@@ -466,7 +468,7 @@ class Soak:
         self.args, self.device, self.l3_dir = args, device, l3_dir
         self.mooncake, self.node_killed_at = mooncake, None
         self.rng = random.Random(args.seed)
-        self.cache, self.kv, self.allocator, self.requests, layers = build_cache(
+        self.cache, self.allocator, self.requests, layers = build_cache(
             args, device, l3_dir
         )
         # One workload on every rank; each rank's heads hold their own bytes.
