@@ -143,10 +143,15 @@ class MooncakeLoopback:
     (``HiCacheStorageConfig.extra_config``) needs to reach the store.
     """
 
-    def __init__(self, *, segment_size: str = "512MB") -> None:
+    def __init__(
+        self, *, segment_size: str = "512MB", client_ttl_s: int | None = None
+    ) -> None:
         """``segment_size``: memory of the storage node, in mooncake_client's
-        syntax; tests that fill it see evictions (high watermark 0.95)."""
-        self.segment_size = segment_size
+        syntax; tests that fill it see evictions (high watermark 0.95).
+        ``client_ttl_s``: how long the master waits for a silent client's
+        heartbeat before it unmounts the client's segment (Mooncake's default,
+        10 s, when None); a test that kills the node shortens it."""
+        self.segment_size, self.client_ttl_s = segment_size, client_ttl_s
         self.rpc_port = self.metrics_port = self.node_port = 0
         self.log_dir: Path | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -254,6 +259,7 @@ class MooncakeLoopback:
             # No periodic metrics lines in the log: its tail stays readable.
             "--enable_metric_reporting=false",
             "--logtostderr",
+            *([f"--client_ttl={self.client_ttl_s}"] if self.client_ttl_s else []),
         )
         self._wait("master", self._master_ready, "/health to answer ok")
         self.start_node()
@@ -275,7 +281,9 @@ class MooncakeLoopback:
 
     def kill_node(self) -> None:
         """SIGKILLs the storage node, as a crash: its segment and every object
-        in it are gone, the master learns of it by itself."""
+        in it are gone. The master learns of it by itself, ``client_ttl_s``
+        later; until then it still places new objects there (``segments()``
+        still lists it) and clients' transfers to it fail."""
         proc = self._procs.pop("node")
         proc.kill()
         proc.wait()

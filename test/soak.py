@@ -80,11 +80,12 @@ raises; ``host_exhausted``, most of the free host pool taken for a while;
 load back is queued and again while it is in flight; ``kernel_refused``, one
 load (after ``REFUSE_AFTER_STEPS``) whose device indices hold a page that is
 not one aligned run; ``node_restart``, the Mooncake storage node killed every
-``NODE_RESTART_EVERY`` steps and started again ``NODE_DOWN_STEPS`` later
-(every object it held is gone). Each must end as a miss, a recompute or (the
+``NODE_RESTART_EVERY`` steps and started again (every object it held gone)
+once the master has unmounted it, ``NODE_CLIENT_TTL_S`` after its last
+heartbeat, and ``NODE_DOWN_STEPS`` have passed. Each must end as a miss, a recompute or (the
 refused kernel) a clean error, never as wrong bytes or a hang."""
 FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
-NODE_RESTART_EVERY, NODE_DOWN_STEPS = 120, 10
+NODE_RESTART_EVERY, NODE_DOWN_STEPS, NODE_CLIENT_TTL_S = 400, 10, 2
 
 
 class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -110,6 +111,9 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host_pages_evicted: int = 0
     pages_loaded_from_host: int = 0
     pages_loaded_from_l3: int = 0
+    pages_loaded_from_l3_after_node_restart: int = 0
+    """Of those, loaded after the storage node was first started again
+    (``node_restart``): the store serves again once it is back."""
     tier_flushes: int = 0
     faults: dict[str, int] = {}
     tokens_checked: int = 0
@@ -673,14 +677,17 @@ class Soak:
 
     def _restart_node(self) -> None:
         """The storage node SIGKILLed every ``NODE_RESTART_EVERY`` steps and
-        started again (empty) ``NODE_DOWN_STEPS`` later."""
+        started again (empty) once the master has unmounted it: a node that
+        came back before that would find the master placing objects on its
+        dead segment as well as its new one."""
         steps = self.figures.steps
         if self.node_killed_at is None and steps % NODE_RESTART_EVERY == 0:
             self.mooncake.kill_node()
             self.node_killed_at = steps
             self._fault("node_killed")
         elif self.node_killed_at is not None:
-            if steps - self.node_killed_at >= NODE_DOWN_STEPS:
+            down = steps - self.node_killed_at >= NODE_DOWN_STEPS
+            if down and not self.mooncake.segments():
                 self.mooncake.start_node()
                 self.node_killed_at = None
                 self._fault("node_restarted")
@@ -774,6 +781,8 @@ class Soak:
             loaded, start = cache.pop_prefetch_loaded_span(req.cache_request_handle)
             req.storage_hit_length, req.storage_hit_start = loaded, start
             self.figures.pages_loaded_from_l3 += loaded // PAGE
+            if self.figures.faults.get("node_restarted"):
+                self.figures.pages_loaded_from_l3_after_node_restart += loaded // PAGE
         req.init_next_round_input(cache)
         fill = len(req.full_untruncated_fill_ids)
         need = fill - req.prefix_len + req.sampling_params.max_new_tokens + PAGE
@@ -1103,7 +1112,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.l3 == "mooncake" and args.l3_config is None:
                 from mooncake_loopback import MooncakeLoopback
 
-                mooncake = stack.enter_context(MooncakeLoopback())
+                ttl = NODE_CLIENT_TTL_S if "node_restart" in args.faults else None
+                mooncake = stack.enter_context(MooncakeLoopback(client_ttl_s=ttl))
                 args.l3_config = json.dumps(mooncake.extra_config())
             soak = Soak(args, device, args.l3_dir or fresh, mooncake)
             try:
