@@ -82,8 +82,9 @@ load (after ``REFUSE_AFTER_STEPS``) whose device indices hold a page that is
 not one aligned run; ``node_restart``, the Mooncake storage node killed every
 ``NODE_RESTART_EVERY`` steps and started again (every object it held gone)
 once the master has unmounted it, ``NODE_CLIENT_TTL_S`` after its last
-heartbeat, and ``NODE_DOWN_STEPS`` have passed. Each must end as a miss, a recompute or (the
-refused kernel) a clean error, never as wrong bytes or a hang."""
+heartbeat, and ``NODE_DOWN_STEPS`` have passed. Each must end as a miss, a
+recompute or (the refused kernel) a clean error, never as wrong bytes or a
+hang."""
 FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
 NODE_RESTART_EVERY, NODE_DOWN_STEPS, NODE_CLIENT_TTL_S = 400, 10, 2
 
