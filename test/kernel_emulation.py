@@ -33,6 +33,15 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   ``host_stride`` plus the host head stride, or back. Without a GPU every index tensor is
   CPU-resident: int64 only, and a page that is not one aligned run refuses the
   whole transfer before anything moves.
+- ``page_chunks_module(vector).staged_transfer`` (ours, ``csrc/staged_copies.cuh``):
+  the same chunks through a staging ring: per chunk of ``slot_pages`` pages
+  (the ring's two slots in turn), a backup moves each page's chunks to its
+  staged page (the ring's base plus the staged page number times
+  ``stage_stride``, with the table's host bases naming staged page 0), then
+  copies each ``(host offset, staged offset, bytes)`` piece to its host page
+  (``host_base`` plus the host page number times ``host_stride``); a load
+  copies the pieces in first, then moves the chunks to the device. Host
+  indices are CPU int64, every page checked before anything moves.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -257,10 +266,11 @@ class EmulatedKernels:
         )
 
     def page_chunks_module(self, vector: int):
-        """Ours (``csrc/page_chunks.cuh``). Without a GPU every index tensor is
-        CPU-resident: int64, every page checked (first and last token) before
-        anything moves, and its page numbers passed by value, 128 pages a
-        launch. The in-kernel checks of GPU-resident indices run on a GPU."""
+        """Ours (``csrc/page_chunks.cuh``, ``csrc/staged_copies.cuh``). Without
+        a GPU every index tensor is CPU-resident: int64, every page checked
+        (first and last token) before anything moves, and its page numbers
+        passed by value, 128 pages a launch. The in-kernel checks of
+        GPU-resident indices run on a GPU."""
         kernels = self
 
         def pages_of(indices, page_size, what):
@@ -279,6 +289,68 @@ class EmulatedKernels:
                 )
             return starts // page_size
 
+        def check_shape(what, tables, refused, parts, heads, page_size, max_blocks):
+            assert tables.dtype == torch.uint64 and tables.is_contiguous()
+            assert tables.dim() == 2 and tables.shape[1] == 2 * 4
+            assert parts.dtype == torch.int64 and parts.device.type == "cpu"
+            assert tuple(parts.shape) == (4, 6)
+            assert refused.dtype == torch.int64 and refused.numel() == 2
+            if page_size <= 0 or max_blocks <= 0 or heads <= 0:
+                raise RuntimeError(
+                    f"{what}: page_size, heads and max_blocks must be positive"
+                )
+            shapes = parts.tolist()
+            for part, (size, row_bytes, *_) in enumerate(shapes):
+                if size % row_bytes or row_bytes % vector:
+                    raise RuntimeError(
+                        f"{what}: part {part} is not whole rows of whole vectors"
+                    )
+            return shapes
+
+        def check_indices(what, host_indices, device_indices, page_size):
+            for indices in (host_indices, device_indices):
+                assert indices.dtype in (torch.int32, torch.int64)
+                assert indices.dim() == 1 and indices.is_contiguous()
+            if host_indices.numel() != device_indices.numel():
+                raise RuntimeError(f"{what}: index lengths differ")
+            if device_indices.numel() % page_size:
+                raise RuntimeError(
+                    f"{what}: {device_indices.numel()} token indices are not "
+                    f"whole pages of {page_size}"
+                )
+
+        def move_chunks(
+            tables, shapes, heads, host_pages, device_pages, host_stride, to_host
+        ):
+            """page_chunks_kernel: every (page, layer, part, head) chunk."""
+            for bases in tables.tolist():
+                for part, shape in enumerate(shapes):
+                    size, row_bytes, page_stride, head_stride, row_stride, host_head = (
+                        shape
+                    )
+                    rows = torch.arange(size // row_bytes)
+                    for head in range(heads):
+                        device = (
+                            [bases[part]],
+                            (
+                                device_pages[:, None] * page_stride
+                                + head * head_stride
+                                + rows * row_stride
+                            ).reshape(-1),
+                        )
+                        host = (
+                            [bases[4 + part]],
+                            (
+                                host_pages[:, None] * host_stride
+                                + head * host_head
+                                + rows * row_bytes
+                            ).reshape(-1),
+                        )
+                        (src, src_off), (dst, dst_off) = (
+                            (device, host) if to_host else (host, device)
+                        )
+                        kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
+
         class Module:
             @staticmethod
             def transfer(
@@ -294,67 +366,96 @@ class EmulatedKernels:
                 max_blocks,
             ) -> None:
                 what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                assert tables.dtype == torch.uint64 and tables.is_contiguous()
-                assert tables.dim() == 2 and tables.shape[1] == 2 * 4
-                assert parts.dtype == torch.int64 and parts.device.type == "cpu"
-                assert tuple(parts.shape) == (4, 6)
-                for indices in (host_indices, device_indices):
-                    assert indices.dtype in (torch.int32, torch.int64)
-                    assert indices.dim() == 1 and indices.is_contiguous()
-                if host_indices.numel() != device_indices.numel():
-                    raise RuntimeError(f"{what}: index lengths differ")
-                assert refused.dtype == torch.int64 and refused.numel() == 2
-                if page_size <= 0 or max_blocks <= 0 or heads <= 0:
-                    raise RuntimeError(
-                        f"{what}: page_size, heads and max_blocks must be positive"
-                    )
-                if device_indices.numel() % page_size:
-                    raise RuntimeError(
-                        f"{what}: {device_indices.numel()} token indices are not "
-                        f"whole pages of {page_size}"
-                    )
-                shapes = parts.tolist()
-                for part, (size, row_bytes, *_) in enumerate(shapes):
-                    if size % row_bytes or row_bytes % vector:
-                        raise RuntimeError(
-                            f"{what}: part {part} is not whole rows of whole vectors"
-                        )
+                check_indices(what, host_indices, device_indices, page_size)
+                shapes = check_shape(
+                    what, tables, refused, parts, heads, page_size, max_blocks
+                )
                 host_pages = pages_of(host_indices, page_size, what)
                 device_pages = pages_of(device_indices, page_size, what)
                 for _ in range(0, len(device_pages), transfer_launch_pages):
                     kernels.calls.append(("page_chunks", vector))
-                for bases in tables.tolist():
-                    for part, shape in enumerate(shapes):
-                        (
-                            size,
-                            row_bytes,
-                            page_stride,
-                            head_stride,
-                            row_stride,
-                            host_head,
-                        ) = shape
-                        rows = torch.arange(size // row_bytes)
-                        for head in range(heads):
-                            device = (
-                                [bases[part]],
-                                (
-                                    device_pages[:, None] * page_stride
-                                    + head * head_stride
-                                    + rows * row_stride
-                                ).reshape(-1),
+                move_chunks(
+                    tables,
+                    shapes,
+                    heads,
+                    host_pages,
+                    device_pages,
+                    host_stride,
+                    to_host,
+                )
+
+            @staticmethod
+            def create_lanes(handle, lanes) -> None:
+                assert handle.dtype == torch.int64 and handle.numel() == 1
+                assert 1 <= lanes <= 8, "1 to 8 copy lanes"
+                handle[0] = 1
+
+            @staticmethod
+            def staged_transfer(
+                tables,
+                refused,
+                host_indices,
+                device_indices,
+                parts,
+                heads,
+                page_size,
+                stage_base,
+                stage_stride,
+                slot_pages,
+                pieces,
+                host_base,
+                host_stride,
+                lanes,
+                to_host,
+                max_blocks,
+            ) -> None:
+                """Per chunk of ``slot_pages`` pages, alternating between the
+                ring's two slots: a backup gathers the chunks into staged pages
+                then copies each piece to its host page; a load copies the
+                pieces in, then scatters."""
+                what = "block-scaled HiCache " + ("backup" if to_host else "load")
+                assert host_indices.device.type == "cpu"
+                assert host_indices.dtype == torch.int64, "host indices: CPU int64"
+                assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
+                if slot_pages <= 0 or stage_stride <= 0 or not lanes:
+                    raise RuntimeError(f"{what}: no staging ring")
+                check_indices(what, host_indices, device_indices, page_size)
+                shapes = check_shape(
+                    what, tables, refused, parts, heads, page_size, max_blocks
+                )
+                host_pages = pages_of(host_indices, page_size, what)
+                device_pages = pages_of(device_indices, page_size, what)
+                for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
+                    kernels.calls.append(("staged", vector))
+                    hosts = host_pages[first : first + slot_pages]
+                    devices = device_pages[first : first + slot_pages]
+                    staged = torch.arange(len(hosts)) + chunk % 2 * slot_pages
+
+                    def copy_pieces(to_host=to_host, hosts=hosts, staged=staged):
+                        for host_off, staged_off, size in pieces.tolist():
+                            host_at = host_base + hosts * host_stride + host_off
+                            staged_at = stage_base + staged * stage_stride + staged_off
+                            src, dst = (
+                                (staged_at, host_at)
+                                if to_host
+                                else (host_at, staged_at)
                             )
-                            host = (
-                                [bases[4 + part]],
-                                (
-                                    host_pages[:, None] * host_stride
-                                    + head * host_head
-                                    + rows * row_bytes
-                                ).reshape(-1),
-                            )
-                            (src, src_off), (dst, dst_off) = (
-                                (device, host) if to_host else (host, device)
-                            )
-                            kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
+                            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                                kernels._copy_rows(
+                                    [s],
+                                    [d],
+                                    torch.zeros(1, dtype=torch.int64),
+                                    torch.zeros(1, dtype=torch.int64),
+                                    size,
+                                )
+
+                    if not to_host:
+                        copy_pieces()
+                    move_chunks(
+                        tables, shapes, heads, staged, devices, stage_stride, to_host
+                    )
+                    if to_host:
+                        copy_pieces()
 
         return Module()
 
@@ -569,6 +670,19 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
 
     kernels = EmulatedKernels(PointerMap())
     monkeypatch.setattr(transfer, "page_chunks_module", kernels.page_chunks_module)
+    # Staging rings of this emulation's own, their buffers in its pointer map.
+    monkeypatch.setattr(transfer, "_rings", {})
+    make_ring = transfer.staging_ring
+
+    def staging_ring(device, module, *, to_host):
+        ring = make_ring(device, module, to_host=to_host)
+        if ring is not None and all(
+            t is not ring.buffer for t in kernels.pointers._tensors
+        ):
+            kernels.pointers.register([ring.buffer])
+        return ring
+
+    monkeypatch.setattr(transfer, "staging_ring", staging_ring)
     for name in (
         "can_use_hicache_jit_kernel",
         "can_use_write_back_jit_kernel",

@@ -513,7 +513,7 @@ def fake_bench(monkeypatch) -> SimpleNamespace:
 
     fake = SimpleNamespace(bench=bench, calls=[], setups=[], met=[True])
 
-    def run(geometries, pages, *, classes, setups, warmup, repeat):
+    def run(geometries, pages, *, classes, setups, warmup, repeat, beside):
         fake.calls.append((geometries, pages, warmup, repeat))
         fake.setups.append(setups)
         return [FakeRow(met) for met in fake.met]

@@ -94,6 +94,8 @@ def test_register_is_idempotent(recorded_hooks):
         plugin.STAGING_HOOK_TARGET,
         plugin.PRE_SIZING_HOOK_TARGET,
         plugin.SERVER_ARGS_HOOK_TARGET,
+        plugin.MOVE_INDICES_HOOK_TARGET,
+        plugin.MOVE_POOL_INDICES_HOOK_TARGET,
     ]
     assert plugin.is_registered()
 

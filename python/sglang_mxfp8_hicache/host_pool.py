@@ -134,22 +134,28 @@ def load_layer_groups(
     layer_bytes: int,
     min_group_bytes: int = MIN_LOAD_GROUP_BYTES,
     one_launch_bytes: int = ONE_LAUNCH_BYTES,
+    min_layers: int = 1,
 ) -> list[range]:
     """Layer 0 alone, then the doubling groups (``doubling_layer_groups``),
     each merged with the next until it carries ``min_group_bytes`` of a load
-    whose layers are ``layer_bytes`` each; a last group below that joins the
-    one before it. Every layer at once if those after layer 0 carry less than
-    ``one_launch_bytes``."""
+    whose layers are ``layer_bytes`` each and holds ``min_layers`` layers (a
+    staged group's pieces are its layers of one page); a last group short of
+    either joins the one before it. Every layer at once if those after layer
+    0 carry less than ``one_launch_bytes``."""
     if (layer_num - 1) * layer_bytes < one_launch_bytes:
         return [range(layer_num)]
+
+    def short(group: range) -> bool:
+        return len(group) * layer_bytes < min_group_bytes or len(group) < min_layers
+
     first, *rest = doubling_layer_groups(layer_num)
     merged: list[range] = []
     for group in rest:
-        if merged and len(merged[-1]) * layer_bytes < min_group_bytes:
+        if merged and short(merged[-1]):
             merged[-1] = range(merged[-1].start, group.stop)
         else:
             merged.append(group)
-    if len(merged) > 1 and len(merged[-1]) * layer_bytes < min_group_bytes:
+    if len(merged) > 1 and short(merged[-1]):
         tail = merged.pop()
         merged[-1] = range(merged[-1].start, tail.stop)
     return [first, *merged]
@@ -273,7 +279,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             "%s: %s HiCache host pool: --hicache-mem-layout %s and "
             "--hicache-io-backend %s are served by one owned %s page, %s; "
             "%d tokens, payload %.3f GB + scales %.3f GB (+ seals %.3f GB), moved "
-            "as page chunks by %s; loads in up to %d layer groups.",
+            "as page chunks by %s; loads in up to %d layer groups%s.",
             pool_label,
             fmt.name,
             layout,
@@ -286,6 +292,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             seal_bytes / 1e9,
             self._mover.name,
             len(self._load_plan(self._full_group_pages).prepared),
+            self._describe_staging(),
         )
 
     @classmethod
@@ -479,8 +486,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             parts=page.chunk_shapes(),
             heads=page.heads,
             device=torch.device(self._transfer_device),
+            host_address=self.kv_buffer.data_ptr(),
+            staged_layout=page.staged_layout,
         )
         self._mover = self._mover_factory(tables)
+        # A staged load group's pieces are its layers of one page: groups
+        # after layer 0 hold enough layers for the copy engines.
+        piece = getattr(self._mover, "min_piece_bytes", 0)
+        layer_piece = min(page.k_part.layer_bytes, page.v_part.layer_bytes)
+        self._min_group_layers = (
+            1 if page.heads_major else max(1, -(-piece // layer_piece))
+        )
         # Every layer for a backup; for a load, each group of the target
         # model's layers (per load size, ``_load_plan``), and each packed draft
         # layer alone, keyed by its layer id: its load arrives as is_draft,
@@ -496,13 +512,37 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         }
         self._load_progress = _LoadProgress(None, None)
 
+    def _describe_staging(self) -> str:
+        """What goes through device staging, for the pool's log line."""
+        mover = self._mover
+        if not isinstance(mover, transfer.StagedPageChunks):
+            return ""
+        staged = self._backup_prepared.staged
+        if not staged:
+            slot = max((r.slot_bytes for r in mover.rings if r is not None), default=0)
+            return (
+                f"; every transfer by SM copies: a page of {self.host_page.span_bytes / 2**20:.1f} "
+                f"MiB exceeds the device staging slot of {slot / 2**20:.0f} MiB "
+                f"(raise {transfer.STAGING_ENV})"
+            )
+        return (
+            f"; transfers of {mover.min_bytes >> 10} KiB or more with host "
+            "indices on the CPU go through device staging and the copy engines "
+            f"({mover.staging_bytes >> 20} MiB on this GPU, shared by the "
+            f"process's block-scaled host pools; {transfer.STAGING_ENV})"
+        )
+
     def _choose_mover(self, page: HostPage, pool_label: str) -> transfer.MoverFactory:
         """Our kernel if it builds, else SGLang's (``transfer.choose_mover``);
         called before the pool allocates."""
         return transfer.choose_mover(page, pool_label=pool_label)
 
     def _load_layer_groups(self, pages: int) -> list[range]:
-        return load_layer_groups(self.target_layer_num, pages * self._page_layer_bytes)
+        return load_layer_groups(
+            self.target_layer_num,
+            pages * self._page_layer_bytes,
+            min_layers=self._min_group_layers,
+        )
 
     def _load_plan(self, pages: int) -> _LoadPlan:
         """The layer groups of a load of ``pages`` pages, built once per size

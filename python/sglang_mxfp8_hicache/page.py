@@ -116,6 +116,27 @@ class ChunkShape:
 
 
 @dataclass(frozen=True)
+class StagedLayout:
+    """A range of a page's layers in device staging, for the copy engines.
+
+    Staged page j is ``stride`` bytes at ``j * stride``; run c of the range's
+    n-th layer starts at ``run_offsets[n][c]`` in it (``PARTS`` order). Each
+    piece ``(host offset, staged offset, bytes)`` is contiguous in both the
+    host page and the staged page, so a page moves between them as
+    ``len(pieces)`` copies.
+    """
+
+    stride: int
+    run_offsets: tuple[tuple[int, int, int, int], ...]
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def piece_bytes(self) -> int:
+        """The smallest piece: what decides how fast the copy engines move it."""
+        return min(size for _, _, size in self.pieces)
+
+
+@dataclass(frozen=True)
 class HostPage:
     """The byte order of one host page (module docstring) for one pool."""
 
@@ -252,6 +273,36 @@ class HostPage:
             k.scale_offset(layer),
             k_span + v.payload_offset(layer),
             k_span + v.scale_offset(layer),
+        )
+
+    def staged_layout(self, layers: range) -> StagedLayout | None:
+        """How ``layers`` of a page sit in device staging (``StagedLayout``),
+        or None where they are not whole contiguous pieces of the page (a
+        layer range of a heads-major page: each head holds every layer)."""
+        if layers == range(self.layer_num):
+            # The whole span, seals included: one piece per page, and pieces
+            # of consecutive host pages join (a seal's bytes mean nothing
+            # until a put to L3 writes it).
+            return StagedLayout(
+                stride=self.span_bytes,
+                run_offsets=tuple(self.run_offsets(layer) for layer in layers),
+                pieces=((0, 0, self.span_bytes),),
+            )
+        if self.heads_major:
+            return None
+        k, v = self.k_part, self.v_part
+        k_bytes, v_bytes = len(layers) * k.layer_bytes, len(layers) * v.layer_bytes
+        run_offsets = []
+        for n in range(len(layers)):
+            k_at, v_at = n * k.layer_bytes, k_bytes + n * v.layer_bytes
+            run_offsets.append(
+                (k_at, k_at + k.payload_bytes, v_at, v_at + v.payload_bytes)
+            )
+        k_from, v_from = (part.payload_offset(layers.start) for part in (k, v))
+        return StagedLayout(
+            stride=k_bytes + v_bytes,
+            run_offsets=tuple(run_offsets),
+            pieces=((k_from, 0, k_bytes), (k.span_bytes + v_from, k_bytes, v_bytes)),
         )
 
     def describe(self) -> str:

@@ -14,7 +14,11 @@ it refuses, by name, a backend that cannot carry block-scaled pages, and makes
 a stored page of the wrong size a miss on the backends it allows; and it keeps
 SGLang from allocating GPU staging for its payload write-back kernel, which
 our pools never use (``skip_payload_staging``). Flags a pool would refuse stop
-a launch as soon as SGLang has resolved them (``refuse_unserved_flags``).
+a launch as soon as SGLang has resolved them (``refuse_unserved_flags``). With
+``--hicache-io-backend kernel`` the controllers hand our pools their host
+indices where the radix tree keeps them, on the CPU
+(``keep_host_indices_on_cpu``): a staged transfer addresses host pages from
+the CPU, and those indices would otherwise be uploaded for every transfer.
 
 Environment:
     SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
@@ -49,6 +53,13 @@ STAGING_HOOK_TARGET = (
 )
 PRE_SIZING_HOOK_TARGET = "sglang.srt.mem_cache.kv_cache_builder.prepare_hicache_staging"
 SERVER_ARGS_HOOK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
+MOVE_INDICES_HOOK_TARGET = (
+    "sglang.srt.managers.cache_controller.HiCacheController.move_indices"
+)
+MOVE_POOL_INDICES_HOOK_TARGET = (
+    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
+    "HybridCacheController._move_pool_indices"
+)
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
 """The first release with an MXFP8 HiCache host pool of its own; older ones
@@ -170,6 +181,49 @@ def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
     return original(buffer_info, **kwargs)
 
 
+def _is_ours(host_pool: Any) -> bool:
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+
+    return isinstance(host_pool, MHATokenToKVPoolMXFP8Host)
+
+
+def keep_host_indices_on_cpu(
+    original: Callable[..., Any], controller, host_indices, device_indices
+):
+    """AROUND hook on ``HiCacheController.move_indices``: with the ``kernel``
+    io backend, a pool of ours keeps its (CPU) host indices; everything else
+    is SGLang's own move. Our pool reads CPU host indices on both its paths
+    (page starts as kernel arguments, or copy addresses), where GPU ones would
+    keep a transfer off the copy engines."""
+    if (
+        controller.io_backend == "kernel"
+        and not host_indices.is_cuda
+        and _is_ours(controller.mem_pool_host)
+    ):
+        return host_indices, device_indices
+    return original(controller, host_indices, device_indices)
+
+
+def keep_pool_host_indices_on_cpu(
+    original: Callable[..., Any],
+    controller,
+    host_pool,
+    host_indices,
+    device_indices,
+    **kwargs,
+):
+    """AROUND hook on ``HybridCacheController._move_pool_indices``, which
+    places each pool's indices of a hybrid stack: as
+    ``keep_host_indices_on_cpu``, for a pool of ours."""
+    if (
+        controller.io_backend == "kernel"
+        and not host_indices.is_cuda
+        and _is_ours(host_pool)
+    ):
+        return host_indices, device_indices
+    return original(controller, host_pool, host_indices, device_indices, **kwargs)
+
+
 def _log_unsupported(found: str | None) -> None:
     """No hook on an unsupported SGLang; on one without an MXFP8 host pool of its
     own, that means silent scale loss, so say so as an error."""
@@ -272,5 +326,11 @@ def register() -> None:
     )
     HookRegistry.register(
         SERVER_ARGS_HOOK_TARGET, refuse_unserved_flags, HookType.AFTER
+    )
+    HookRegistry.register(
+        MOVE_INDICES_HOOK_TARGET, keep_host_indices_on_cpu, HookType.AROUND
+    )
+    HookRegistry.register(
+        MOVE_POOL_INDICES_HOOK_TARGET, keep_pool_host_indices_on_cpu, HookType.AROUND
     )
     _registered = True

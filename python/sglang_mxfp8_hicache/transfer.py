@@ -13,6 +13,14 @@ token index tensors.
   per transfer. It checks GPU-resident index values in the kernel: a page that
   is not one aligned run is not moved, and the pool's next transfer raises
   :class:`PageIndexError` (the CPU reading them would synchronise every call).
+- :class:`StagedPageChunks` is ours through device staging: the same kernel
+  moves a transfer's chunks between the device pages and a slot of a small
+  staging ring at HBM speed, and the copy engines move the staged pages
+  across the link (``csrc/staged_copies.cuh``), so the SMs the forward pass
+  runs on are held for microseconds, not for the link's milliseconds. It
+  takes transfers whose host indices are on the CPU and that are large
+  enough for the copy engines to move at the link's speed; the others go as
+  :class:`PageChunkKernel` moves them.
 - :class:`SGLangChunkKernels` is SGLang's own all-layer JIT kernel
   (``transfer_hicache_all_layer_mla``) with page numbers as indices and one
   pointer-table entry per (layer, slice of a run), so each element is at most
@@ -28,8 +36,9 @@ pages, and index tensors on the CPU whose pages are not aligned runs.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,14 +46,17 @@ import torch
 from sglang.kernels.jit.utils import cache_once, load_jit, make_cpp_args
 from sglang.kernels.ops.kvcache import hicache
 
-from sglang_mxfp8_hicache.page import PARTS, ChunkShape, HostPage
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.page import PARTS, ChunkShape, HostPage, StagedLayout
 
 if TYPE_CHECKING:
     from tvm_ffi.module import Module
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "page_chunks.cuh"
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "page_chunks.cuh"
+STAGED_SOURCE = CSRC / "staged_copies.cuh"
 BLOCK_SIZE = 1024
 UNROLL = 4
 MAX_BLOCKS = 8
@@ -80,6 +92,10 @@ class PageChunkTables:
     """How each part (``PARTS``) moves, ``heads`` chunks per page and layer."""
     heads: int
     device: torch.device
+    host_address: int = 0
+    """The CPU address of host page 0 (the copy engines' side of a staged move)."""
+    staged_layout: Callable[[range], StagedLayout | None] | None = None
+    """How a range of layers sits in staging (``HostPage.staged_layout``)."""
 
     @property
     def run_bytes(self) -> tuple[int, ...]:
@@ -138,14 +154,19 @@ class PageChunkMover(Protocol):
 
 @cache_once
 def page_chunks_module(vector: int) -> Module:
-    """Our ``transfer`` entry point for runs of whole ``vector``-byte words."""
+    """Our entry points for runs of whole ``vector``-byte words: ``transfer``
+    (``csrc/page_chunks.cuh``), ``staged_transfer`` and ``create_lanes``
+    (``csrc/staged_copies.cuh``)."""
     args = make_cpp_args(vector, UNROLL, BLOCK_SIZE)
+    staged = f"sglang_mxfp8_hicache::StagedPageChunks<{args}>"
     return load_jit(
         "sglang_mxfp8_hicache_page_chunks",
         *args,
-        cuda_files=[str(SOURCE)],
+        cuda_files=[str(STAGED_SOURCE)],
         cuda_wrappers=[
             ("transfer", f"&sglang_mxfp8_hicache::PageChunkKernel<{args}>::transfer"),
+            ("staged_transfer", f"&{staged}::transfer"),
+            ("create_lanes", f"&{staged}::create_lanes"),
         ],
     )
 
@@ -199,6 +220,202 @@ class PageChunkKernel:
             "that is not one aligned run of whole-page token indices: that page "
             "was not moved. HiCache hands a host pool whole pages; whatever sent "
             "these did not."
+        )
+
+
+STAGING_ENV = "SGLANG_MXFP8_HICACHE_STAGING_MB"
+DEFAULT_STAGING_MB = 128
+"""Device staging per GPU, both directions: two slots of 32 MiB each way, a
+few hundredths of a percent of an H200 and far below SGLang's own write-back
+staging (64 pages of every layer's payload)."""
+COPY_LANES = 8
+"""Streams a staged transfer's copies are spread over: copies of a few
+hundred KiB are bound by each copy engine's per-copy cost, which several
+engines share (``docs/benchmarks.md``)."""
+
+
+def staging_bytes() -> int:
+    """Device staging per GPU the operator allows (``SGLANG_MXFP8_HICACHE_STAGING_MB``,
+    MiB, both directions; 0 moves every page with the SM kernel)."""
+    text = os.environ.get(STAGING_ENV, "").strip()
+    if not text:
+        return DEFAULT_STAGING_MB << 20
+    try:
+        mib = int(text)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise BlockScaledHiCacheConfigError(
+            f"{STAGING_ENV}={text!r}: give the device staging for block-scaled "
+            f"HiCache transfers in whole MiB (0 for none; default {DEFAULT_STAGING_MB})."
+        )
+    return mib << 20
+
+
+@dataclass
+class StagingRing:
+    """Device staging of one direction on one GPU: ``SLOTS`` slots of
+    ``slot_bytes``, shared by every block-scaled host pool of the process
+    (a server moves one transfer per direction at a time), and the copy
+    lanes that go with it (``csrc/staged_copies.cuh``)."""
+
+    SLOTS = 2
+
+    buffer: torch.Tensor
+    lanes: int
+    """The lanes' handle (a C++ ``CopyLanes``)."""
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.buffer.numel() // self.SLOTS
+
+    @property
+    def address(self) -> int:
+        return self.buffer.data_ptr()
+
+
+_rings: dict[tuple[str, bool], StagingRing | None] = {}
+
+
+def staging_ring(
+    device: torch.device, module: Module, *, to_host: bool
+) -> StagingRing | None:
+    """The process's ring of ``device`` for one direction, made on first use
+    with ``module``'s ``create_lanes`` (half of ``staging_bytes()`` each way),
+    or None if the operator allows none."""
+    key = (str(device), to_host)
+    if key not in _rings:
+        slot = staging_bytes() // 2 // StagingRing.SLOTS // 4096 * 4096
+        ring = None
+        if slot:
+            buffer = torch.empty(
+                StagingRing.SLOTS * slot, dtype=torch.uint8, device=device
+            )
+            handle = torch.zeros(1, dtype=torch.int64)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    module.create_lanes(handle, COPY_LANES)
+            else:
+                module.create_lanes(handle, COPY_LANES)
+            ring = StagingRing(buffer, int(handle))
+        _rings[key] = ring
+    return _rings[key]
+
+
+@dataclass(frozen=True)
+class _StagedPlan:
+    """A layer range's staged move in one direction: the kernel's table with
+    the ring's staged page 0 as its host side, and the copies' pieces."""
+
+    ring: StagingRing
+    layout: StagedLayout
+    table: torch.Tensor
+    pieces: torch.Tensor
+    slot_pages: int
+
+
+@dataclass(frozen=True)
+class StagedPrepared:
+    """What ``StagedPageChunks.move`` takes for one layer range."""
+
+    direct: torch.Tensor
+    staged: dict[bool, _StagedPlan] = field(default_factory=dict)
+    """By direction (``to_host``); a direction without a plan moves by SM."""
+
+
+class StagedPageChunks(PageChunkKernel):
+    """Ours through device staging and the copy engines (module docstring),
+    for a transfer whose host indices are on the CPU, whose bytes reach
+    ``min_bytes`` and whose layer range's pieces reach ``min_piece_bytes``;
+    every other transfer moves as :class:`PageChunkKernel` moves it."""
+
+    name = "sglang-mxfp8-hicache page_chunks through device staging"
+    min_bytes = 1 << 20
+    """A transfer of less moves by the SM kernel: it holds SMs for under 20 us,
+    less than a staged move's extra launch and copies take to start."""
+    min_piece_bytes = 64 << 10
+    """Pieces smaller than this move by the SM kernel: the copy engines move
+    16 KiB copies at a twentieth of the link's speed (``docs/benchmarks.md``)."""
+    gather_blocks_per_sm = 2
+    """Thread blocks of 1024 per SM for the staging kernel: every SM, so that it
+    holds them for the shortest time."""
+
+    def __init__(self, tables: PageChunkTables) -> None:
+        super().__init__(tables)
+        device = tables.device
+        sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 1
+        )
+        self._gather_blocks = self.gather_blocks_per_sm * sms
+        self._rings = {
+            to_host: staging_ring(device, self._module, to_host=to_host)
+            for to_host in (True, False)
+        }
+
+    @property
+    def rings(self) -> tuple[StagingRing | None, ...]:
+        return tuple(self._rings.values())
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the rings this mover uses (shared with other pools)."""
+        return sum(r.buffer.numel() for r in self.rings if r is not None)
+
+    def prepare(self, layers: range) -> StagedPrepared:
+        prepared = StagedPrepared(direct=super().prepare(layers))
+        layout = self._tables.staged_layout and self._tables.staged_layout(layers)
+        if layout is None or layout.piece_bytes < self.min_piece_bytes:
+            return prepared
+        for to_host, ring in self._rings.items():
+            if ring is None or ring.slot_bytes < layout.stride:
+                continue
+            bases = [
+                (*self._tables.bases[layer][: len(PARTS)],)
+                + tuple(ring.address + off for off in offsets)
+                for layer, offsets in zip(layers, layout.run_offsets, strict=True)
+            ]
+            prepared.staged[to_host] = _StagedPlan(
+                ring=ring,
+                layout=layout,
+                table=torch.tensor(
+                    bases, dtype=torch.uint64, device=self._tables.device
+                ),
+                pieces=torch.tensor(layout.pieces, dtype=torch.int64),
+                slot_pages=ring.slot_bytes // layout.stride,
+            )
+        return prepared
+
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+        plan = prepared.staged.get(to_host)
+        tables = self._tables
+        pages = host_indices.numel() // tables.page_size
+        if (
+            plan is None
+            or host_indices.device.type != "cpu"
+            or host_indices.dtype != torch.int64
+            or pages * plan.layout.stride < self.min_bytes
+        ):
+            super().move(prepared.direct, host_indices, device_indices, to_host=to_host)
+            return
+        self._module.staged_transfer(
+            plan.table,
+            self._refused,
+            host_indices,
+            device_indices,
+            self._parts,
+            tables.heads,
+            tables.page_size,
+            plan.ring.address,
+            plan.layout.stride,
+            plan.slot_pages,
+            plan.pieces,
+            tables.host_address,
+            tables.host_stride,
+            plan.ring.lanes,
+            to_host,
+            self._gather_blocks,
         )
 
 
@@ -342,11 +559,14 @@ def page_vector_bytes(page: HostPage) -> int:
 
 
 def choose_mover(page: HostPage, *, pool_label: str) -> MoverFactory:
-    """Ours if it builds, else SGLang's JIT kernel (one warning), decided
-    before the pool allocates: what it returns binds a pool's addresses."""
+    """Ours if it builds (through device staging unless the operator allows
+    none, ``SGLANG_MXFP8_HICACHE_STAGING_MB=0``), else SGLang's JIT kernel (one
+    warning), decided before the pool allocates: what it returns binds a
+    pool's addresses."""
+    staged = staging_bytes() > 0
     try:
         page_chunks_module(page_vector_bytes(page))
-        return PageChunkKernel
+        return StagedPageChunks if staged else PageChunkKernel
     except Exception as exc:
         ours_error = exc
     try:

@@ -323,38 +323,28 @@ struct PageChunkKernel {
     }
   }
 
-  // Moves whole pages of the layers in `tables` between host pages and device
-  // pages. tables: [layers, 8] uint64 on the GPU (device bases of K payload, K
-  // scales, V payload, V scales, then the host bases of the same); refused: 2
-  // pinned int64 words (or none: no reports); parts: [4, 6] int64 on the CPU,
-  // per part (bytes, row_bytes, device page, head and row strides, host head
-  // stride) of its chunks, `heads` of them per part and layer.
-  // host_indices / device_indices: whole pages of token indices, on the GPU
-  // (int32 or int64, one dtype) or on the CPU (int64).
-  static void transfer(
+  // The launch shape of one pool and direction. tables: [layers, 8] uint64 on
+  // the GPU (device bases of K payload, K scales, V payload, V scales, then the
+  // host bases of the same); refused: 2 pinned int64 words; parts: [4, 6]
+  // int64 on the CPU, per part (bytes, row_bytes, device page, head and row
+  // strides, host head stride) of its chunks, `heads` of them per part and layer.
+  static ChunkShape make_shape(
       const tvm::ffi::TensorView tables,
       const tvm::ffi::TensorView refused,
-      const tvm::ffi::TensorView host_indices,
-      const tvm::ffi::TensorView device_indices,
       const tvm::ffi::TensorView parts,
       const int64_t heads,
       const int64_t host_stride,
       const int64_t page_size,
-      const bool to_host,
-      const int64_t max_blocks) {
+      const int64_t max_blocks,
+      const char* what) {
     using namespace host;
-    const char* what = to_host ? "block-scaled HiCache backup" : "block-scaled HiCache load";
     auto L = SymbolicSize{"num_layers"};
-    auto N = SymbolicSize{"indices length"};
     auto R = SymbolicSize{"refused words"};
     TensorMatcher({L, kTableWidth}).with_dtype<uint64_t>().with_device<kDLCUDA>().verify(tables);
-    TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(host_indices);
-    TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(device_indices);
     TensorMatcher({R}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(refused);
     TensorMatcher({kParts, kPartFields}).with_dtype<int64_t>().with_device<kDLCPU, kDLCUDAHost>().verify(parts);
     RuntimeCheck(R.unwrap() == 2, what, ": `refused` holds two words");
     RuntimeCheck(page_size > 0 && max_blocks > 0 && heads > 0, what, ": page_size, heads and max_blocks must be positive");
-    RuntimeCheck(N.unwrap() % page_size == 0, what, ": ", N.unwrap(), " token indices are not whole pages of ", page_size);
     ChunkShape shape{
         .tables = static_cast<const uint64_t*>(tables.data_ptr()),
         .refused = static_cast<int64_t*>(refused.data_ptr()),
@@ -389,6 +379,31 @@ struct PageChunkKernel {
       };
       shape.units_per_head += shape.parts[c].units;
     }
+    return shape;
+  }
+
+  // Moves whole pages of the layers in `tables` (see make_shape) between host
+  // pages and device pages. host_indices / device_indices: whole pages of
+  // token indices, on the GPU (int32 or int64, one dtype) or on the CPU (int64).
+  static void transfer(
+      const tvm::ffi::TensorView tables,
+      const tvm::ffi::TensorView refused,
+      const tvm::ffi::TensorView host_indices,
+      const tvm::ffi::TensorView device_indices,
+      const tvm::ffi::TensorView parts,
+      const int64_t heads,
+      const int64_t host_stride,
+      const int64_t page_size,
+      const bool to_host,
+      const int64_t max_blocks) {
+    using namespace host;
+    const char* what = to_host ? "block-scaled HiCache backup" : "block-scaled HiCache load";
+    auto N = SymbolicSize{"indices length"};
+    TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(host_indices);
+    TensorMatcher({N}).with_dtype<int32_t, int64_t>().verify(device_indices);
+    RuntimeCheck(page_size > 0, what, ": page_size must be positive");
+    RuntimeCheck(N.unwrap() % page_size == 0, what, ": ", N.unwrap(), " token indices are not whole pages of ", page_size);
+    const ChunkShape shape = make_shape(tables, refused, parts, heads, host_stride, page_size, max_blocks, what);
     const int64_t num_pages = N.unwrap() / page_size;
     const bool int32_gpu_indices = device_indices.dtype().bits == 32 || host_indices.dtype().bits == 32;
     if (to_host) {

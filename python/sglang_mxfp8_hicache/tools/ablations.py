@@ -18,6 +18,13 @@ class FallbackKernelHost(MHATokenToKVPoolMXFP8Host):
         return transfer.SGLangChunkKernels
 
 
+class SMCopyHost(MHATokenToKVPoolMXFP8Host):
+    """Every byte by our SM kernel across the link: no device staging."""
+
+    def _choose_mover(self, page, pool_label):
+        return transfer.PageChunkKernel
+
+
 class TwoBlocksKernel(transfer.PageChunkKernel):
     max_blocks = 2
 
@@ -51,6 +58,7 @@ class LoadDoublingHost(MHATokenToKVPoolMXFP8Host):
 
 
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
+    "sm": SMCopyHost,
     "fallback": FallbackKernelHost,
     "blocks2": TwoBlocksHost,
     "load_at_layer0": LoadAtLayerZeroHost,

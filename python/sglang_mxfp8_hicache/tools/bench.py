@@ -7,12 +7,18 @@ host pool; ``payload``, SGLang's ``MHATokenToKVPoolHost`` moving the payload
 alone (``pools.PayloadOnlyHost`` for FP4); ``raw``, one pinned ``copy_`` of
 payload plus scales; and on request the ablations of :mod:`.ablations`.
 
-A backup is one ``backup_from_device_all_layer`` call with host indices where
-SGLang's controller puts them; a load is one ``load_to_device_per_layer`` call
-per layer with GPU indices (draft depth ``d`` right after target layer ``d``,
-as ``HybridCacheController`` issues it), and the bench also records when
-layer 0's work completes: what the forward pass waits on. A class that refuses
-a setup gets ``None`` cells, "refused" in the tables.
+A backup is one ``backup_from_device_all_layer`` call and a load one
+``load_to_device_per_layer`` call per layer (draft depth ``d`` right after
+target layer ``d``, as ``HybridCacheController`` issues it), with indices
+where SGLang's controller puts them (``pools.host_indices_for``); the bench
+also records when layer 0's work completes: what the forward pass waits on. A
+class that refuses a setup gets ``None`` cells, "refused" in the tables.
+
+``beside``: each transfer runs on a side stream while a loop runs on the main
+stream (``results.BESIDE_LOOPS``: GEMMs or an HBM-bound add, as many as last
+as long as the transfer alone), both released together; a cell records the
+loop's time beside the transfer over its time alone, and the transfer's own
+time there.
 """
 
 from __future__ import annotations
@@ -33,9 +39,9 @@ from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
     PAGE_SIZE,
     PayloadOnlyHost,
-    backup_host_indices,
     build_device_pool,
     build_host_pool,
+    host_indices_for,
     page_token_indices,
 )
 from sglang_mxfp8_hicache.tools.results import (
@@ -127,6 +133,100 @@ def _time_all(
     return median, median0
 
 
+Loop = Callable[[int], None]
+
+
+def beside_loops(device) -> dict[str, Loop]:
+    """The main stream's work beside a transfer (``results.BESIDE_LOOPS``):
+    ``n`` bf16 4096^3 GEMMs (a forward pass's shape: every SM, a wave after
+    another), or ``n`` adds over 256 MiB of int32 (bound by HBM)."""
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    x = torch.zeros(1 << 26, dtype=torch.int32, device=device)
+    y = torch.empty_like(x)
+
+    def gemm(n: int) -> None:
+        for _ in range(n):
+            torch.matmul(a, b, out=c)
+
+    def hbm(n: int) -> None:
+        for _ in range(n):
+            torch.add(x, 1, out=y)
+
+    return {"gemm": gemm, "hbm": hbm}
+
+
+GATE_CYCLES = 6_000_000
+"""A sleep both streams start with (about 3 ms on an H200): the transfer and
+the loop are queued behind it and start together."""
+
+
+def _elapsed(start, end) -> float:
+    return start.elapsed_time(end)
+
+
+def _time_beside(
+    fns: dict[str, Transfer], loop: Loop, *, warmup: int, repeat: int
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Per column: median ms of its transfer and of its layer-0 work on a
+    side stream beside ``loop`` on the main stream, and the loop's median
+    time beside the transfer over its time alone, in alternating rounds (a
+    seeded random column order in each)."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+
+    with torch.cuda.stream(side):
+        alone, _ = _time_all(fns, warmup=warmup, repeat=max(3, repeat // 2))
+    loop(3)
+    start, end = event(), event()
+    start.record()
+    loop(10)
+    end.record()
+    end.synchronize()
+    per_iteration = _elapsed(start, end) / 10
+    sizes = {name: max(1, round(ms / per_iteration)) for name, ms in alone.items()}
+    items = list(fns.items())
+    order = random.Random(1)
+    loop_alone: dict[str, list[float]] = {name: [] for name in fns}
+    loop_beside: dict[str, list[float]] = {name: [] for name in fns}
+    whole: dict[str, list[float]] = {name: [] for name in fns}
+    layer0: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        order.shuffle(items)
+        for name, fn in items:
+            n = sizes[name]
+            a, b = event(), event()
+            a.record()
+            loop(n)
+            b.record()
+            b.synchronize()
+            loop_alone[name].append(_elapsed(a, b))
+            x0, x0_layer, x1 = event(), event(), event()
+            marked: list[None] = []
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(GATE_CYCLES)
+                x0.record()
+                fn(lambda e=x0_layer, m=marked: m.append(e.record()))
+                x1.record()
+            torch.cuda._sleep(GATE_CYCLES)
+            a.record()
+            loop(n)
+            b.record()
+            torch.cuda.synchronize()
+            loop_beside[name].append(_elapsed(a, b))
+            whole[name].append(_elapsed(x0, x1))
+            if marked:
+                layer0[name].append(_elapsed(x0, x0_layer))
+    assert torch.cuda.current_stream() == main
+    median = statistics.median
+    ratio = {n: median(loop_beside[n]) / median(loop_alone[n]) for n in fns}
+    ms = {n: median(t) for n, t in whole.items()}
+    ms0 = {n: median(t) for n, t in layer0.items() if t}
+    return ms, ms0, ratio
+
+
 def draft_depths_after(layer: int, layers: int, drafts: int) -> list[int]:
     """The draft depths SGLang loads right after target ``layer``: depth ``d``
     after layer ``min(d, layers - 1)`` (``HybridCacheController._l2_load_transfers``),
@@ -153,21 +253,23 @@ def _transfers(
     index_device = "cpu" if io_backend == "direct" else device
     device_tokens = page_token_indices(device_pages[:pages]).to(index_device)
     host_tokens = page_token_indices(host_pages[:pages])
-    host_tokens_gpu = host_tokens.to(index_device)
     raw_device = torch.empty(pages * bytes_per_page, dtype=torch.uint8, device=device)
     raw_host = torch.empty_like(raw_device, device="cpu", pin_memory=raw_device.is_cuda)
 
+    def indices(host, *, backup: bool) -> torch.Tensor:
+        if io_backend == "direct":
+            return host_tokens
+        return host_indices_for(host, host_tokens, device, backup=backup)
+
     def backup(host) -> Transfer:
-        indices = (
-            host_tokens
-            if io_backend == "direct"
-            else backup_host_indices(host, host_tokens, device)
-        )
+        hosts = indices(host, backup=True)
         return lambda mark: host.backup_from_device_all_layer(
-            device_pool, indices, device_tokens, io_backend
+            device_pool, hosts, device_tokens, io_backend
         )
 
     def load(host) -> Transfer:
+        host_tokens_gpu = indices(host, backup=False)
+
         def all_layers(mark):
             for layer in range(layers):
                 host.load_to_device_per_layer(
@@ -251,7 +353,9 @@ def _drop_classes_that_cannot_move(device_pool, hosts: dict, setup: Setup) -> No
     for name, host in hosts.items():
         if host is None or isinstance(host, MHATokenToKVPoolMXFP8Host):
             continue
-        backup_hosts = tokens if direct else backup_host_indices(host, tokens, device)
+        backup_hosts = (
+            tokens if direct else host_indices_for(host, tokens, device, backup=True)
+        )
         try:
             host.backup_from_device_all_layer(
                 device_pool, backup_hosts, tokens.to(device), setup.io_backend
@@ -274,9 +378,11 @@ def bench_geometry(
     progress: Callable[[], None],
     setup: Setup = Setup(),
     device: str = "cuda",
+    beside: tuple[str, Loop] | None = None,
 ) -> list[Row]:
     """One geometry in one setup: a device pool (and the setup's draft device
-    pools), one host pool per column built for the setup, every batch timed.
+    pools), one host pool per column built for the setup, every batch timed,
+    alone or ``beside`` a named loop (:func:`beside_loops`).
 
     ``device``: cuda; cpu only where the tests emulate the kernels (and stand
     in for :func:`_time_all`, which times with CUDA events)."""
@@ -321,12 +427,28 @@ def bench_geometry(
             for direction, fns in _transfers(
                 device_pool, drafts, live, pages, page_bytes, gen, setup.io_backend
             ).items():
-                ms, layer0 = _time_all(fns, warmup=warmup, repeat=repeat)
+                loop_ratio = {}
+                if beside is None:
+                    ms, layer0 = _time_all(fns, warmup=warmup, repeat=repeat)
+                else:
+                    ms, layer0, loop_ratio = _time_beside(
+                        fns, beside[1], warmup=warmup, repeat=repeat
+                    )
                 # Every column in table order, None where its class refused.
-                ms = {name: ms.get(name) for name in [*hosts, "raw"]}
+                columns = [*hosts, "raw"]
+                ms = {name: ms.get(name) for name in columns}
                 layer0 = {name: layer0.get(name) for name in hosts} if layer0 else {}
+                if beside is not None:
+                    loop_ratio = {name: loop_ratio.get(name) for name in columns}
                 cell = (pages, direction, ms, layer0, setup.name, setup.drafts)
-                rows.append(Row(*geometry, *cell))
+                rows.append(
+                    Row(
+                        *geometry,
+                        *cell,
+                        beside=beside and beside[0],
+                        loop_ratio=loop_ratio,
+                    )
+                )
                 progress()
     finally:
         for host in hosts.values():
@@ -344,19 +466,24 @@ def run(
     warmup: int = BENCH_WARMUP,
     repeat: int = BENCH_REPEAT,
     device: str = "cuda",
+    beside: Sequence[str] = (),
 ) -> list[Row]:
-    """Every geometry in every setup at every batch that fits :data:`MAX_POOL_BYTES`."""
+    """Every geometry in every setup at every batch that fits
+    :data:`MAX_POOL_BYTES`, alone, or beside each loop named in ``beside``."""
     classes = classes or host_classes()
+    loops = beside_loops(device) if beside else {}
+    modes = [(name, loops[name]) for name in beside] or [None]
     plan = [
-        (g, s, pages_that_fit(g, pages_list, s.drafts, s.kv_cache_dtype))
+        (g, s, pages_that_fit(g, pages_list, s.drafts, s.kv_cache_dtype), mode)
         for g in geometries
         for s in setups
+        for mode in modes
     ]
     from tqdm import tqdm  # SGLang's dependency
 
-    bar = tqdm(total=sum(2 * len(p) for _, _, p in plan), desc="bench", unit="case")
+    bar = tqdm(total=sum(2 * len(p) for _, _, p, _ in plan), desc="bench", unit="case")
     rows = []
-    for geometry, setup, pages in plan:
+    for geometry, setup, pages, mode in plan:
         if not pages:
             continue
         rows += bench_geometry(
@@ -368,6 +495,7 @@ def run(
             progress=bar.update,
             setup=setup,
             device=device,
+            beside=mode,
         )
         torch.cuda.empty_cache()
     bar.close()
@@ -382,9 +510,41 @@ def _cell(ms: dict[str, float | None], name: str) -> str:
     return REFUSED if name in ms and ms[name] is None else _fmt(ms.get(name))
 
 
+def table_beside(rows: list[Row]) -> tuple[list, list[list]]:
+    """Transfers beside a loop: each column's slowdown of the loop, ours' and
+    the raw copy's time there, and what ours missed."""
+    rows = [r for r in rows if r.beside is not None]
+    names = list(dict.fromkeys(name for r in rows for name in r.loop_ratio))
+    headers = ["setup", "KVxDxL", "pages", "dir", "loop"]
+    headers += [f"{n} loop x" for n in names]
+    headers += ["ours ms", "raw ms", "ours/raw", "missed"]
+    body = [
+        [
+            r.setup_label,
+            r.geometry,
+            str(r.pages),
+            r.direction,
+            r.beside,
+            *(
+                REFUSED
+                if n in r.loop_ratio and r.loop_ratio[n] is None
+                else _fmt(r.loop_ratio.get(n))
+                for n in names
+            ),
+            _cell(r.ms, "ours"),
+            _cell(r.ms, "raw"),
+            _fmt(r.ratio("ours", "raw")),
+            " ".join(g.label() for g in r.missed()) or "-",
+        ]
+        for r in rows
+    ]
+    return headers, body
+
+
 def table(rows: list[Row], *, layer0: bool = False) -> tuple[list, list[list]]:
-    """Whole transfers, both directions; ``layer0``: loads, until layer 0's
-    work is done."""
+    """Whole transfers alone, both directions; ``layer0``: loads, until layer
+    0's work is done."""
+    rows = [r for r in rows if r.beside is None]
     rows = [r for r in rows if r.layer0_ms] if layer0 else rows
     times = [r.layer0_ms if layer0 else r.ms for r in rows]
     names = list(dict.fromkeys(name for ms in times for name in ms))

@@ -355,7 +355,11 @@ def _host_budget_per_rank(ranks: int) -> int | None:
 def _refuse_mixed_flags(args: argparse.Namespace) -> None:
     """Flags of the other kind of run: each names what it needs."""
     l3 = args.l3
-    l2_only = {"--ablations": args.ablations, "--setup": args.setup}
+    l2_only = {
+        "--ablations": args.ablations,
+        "--setup": args.setup,
+        "--beside": args.beside,
+    }
     for flag, value in (l2_only | {"--drafts": args.drafts}).items():
         if l3 is not None and value:
             raise UsageError(f"{flag} is for the L2 bench, not with --l3")
@@ -410,6 +414,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
         )
+    if unknown := sorted(set(args.beside) - set(results.BESIDE_LOOPS)):
+        raise UsageError(
+            f"--beside: unknown loop(s) {unknown}; known: {list(results.BESIDE_LOOPS)}"
+        )
     try:
         setups = bench.setups(_setup_names(args), args.drafts or bench.DEFAULT_DRAFTS)
     except ValueError as exc:
@@ -426,14 +434,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         setups=setups,
         warmup=results.BENCH_WARMUP if args.warmup is None else args.warmup,
         repeat=repeat,
+        beside=args.beside,
     )
     print(
         f"{torch.cuda.get_device_name()}, page_size {PAGE_SIZE}, "
         f"median of {repeat} runs (CUDA events)"
     )
-    print_table(*bench.table(rows))
-    print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
-    print_table(*bench.table(rows, layer0=True))
+    if args.beside:
+        print("Beside a loop on the main stream: its slowdown, and the transfer's ms:")
+        print_table(*bench.table_beside(rows))
+    else:
+        print_table(*bench.table(rows))
+        print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
+        print_table(*bench.table(rows, layer0=True))
     if args.json_out:
         Path(args.json_out).write_bytes(bench.to_json(rows))
     missed = sum(not row.meets_goal() for row in rows)
@@ -680,6 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--setup", **names, action="append", help=setups)
     arg("--drafts", **count, help="--setup draft: draft pools (default: 1)")
     arg("--ablations", **names, default=(), help="ours with one choice undone")
+    loops = ", ".join(results.BESIDE_LOOPS)
+    arg("--beside", **names, default=(), help=f"time beside a loop: {loops}")
     rounds = f"(default: {results.BENCH_WARMUP}; --l3: {results.L3_WARMUP})"
     arg("--warmup", type=non_negative_int, metavar="N", help=f"untimed rounds {rounds}")
     rounds = f"(default: {results.BENCH_REPEAT}; --l3: {results.L3_REPEAT})"

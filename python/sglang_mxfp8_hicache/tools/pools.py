@@ -188,14 +188,24 @@ def page_token_indices(pages: torch.Tensor, page_size: int = PAGE_SIZE) -> torch
     return (pages[:, None] * page_size + offsets).reshape(-1)
 
 
-def backup_host_indices(
-    host_pool: MHATokenToKVPoolHost, host_tokens: torch.Tensor, device
+def host_indices_for(
+    host_pool: MHATokenToKVPoolHost,
+    host_tokens: torch.Tensor,
+    device,
+    *,
+    backup: bool,
 ) -> torch.Tensor:
-    """A backup's host indices where SGLang's controller puts them: on the CPU
-    for page_first's staged write-back, on the device otherwise
-    (``HiCacheController._move_write_operation``)."""
-    if host_pool.layout == "page_first" and getattr(
-        host_pool, "can_use_write_back_jit", False
+    """A transfer's host indices where SGLang's controller puts them with the
+    ``kernel`` io backend and the plugin's hooks: on the CPU for a pool of
+    ours (``plugin.keep_host_indices_on_cpu``) and for page_first's staged
+    write-back (``HiCacheController._move_write_operation``), on the device
+    otherwise."""
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+
+    if isinstance(host_pool, MHATokenToKVPoolMXFP8Host) or (
+        backup
+        and host_pool.layout == "page_first"
+        and getattr(host_pool, "can_use_write_back_jit", False)
     ):
         return host_tokens
     return host_tokens.to(device)
@@ -293,7 +303,9 @@ def round_trip(
     start = time.perf_counter()
     host_pool.backup_from_device_all_layer(
         device_pool,
-        host_tokens if direct else backup_host_indices(host_pool, host_tokens, device),
+        host_tokens
+        if direct
+        else host_indices_for(host_pool, host_tokens, device, backup=True),
         src_tokens,
         io_backend,
     )
@@ -304,7 +316,11 @@ def round_trip(
 
     fill_random(device_tensors, gen)
     clobbered = _device_pages(device_pool, device_tensors)
-    host_tokens_dev = host_tokens.to(index_device)
+    host_tokens_dev = (
+        host_tokens
+        if direct
+        else host_indices_for(host_pool, host_tokens, device, backup=False)
+    )
     synchronize(device)
     start = time.perf_counter()
     target_layers = device_pool.layer_num

@@ -1,0 +1,297 @@
+"""The staged path: page chunks through device staging and the copy engines.
+
+Every transfer test runs on the CPU with the kernel emulations and, on a CUDA
+machine, with our real kernel, SGLang's real device pools and the copy
+engines. A ring whose slots hold three pages (``ring_of``) makes every
+transfer several chunks through both slots; ``ForcedStaged`` drops the size
+floors so every layer range that can be staged is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang_mxfp8_hicache import plugin, transfer
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.geometry import FORMATS, ScaleGeometry
+from sglang_mxfp8_hicache.host_pool import load_layer_groups
+from sglang_mxfp8_hicache.page import PARTS, HostPage
+from sglang_mxfp8_hicache.tools.pools import (
+    device_buffers,
+    fill_random,
+    page_token_indices,
+    round_trip,
+)
+
+
+class ForcedStaged(transfer.StagedPageChunks):
+    """Staged wherever a layer range can be, however small the transfer."""
+
+    min_bytes = 0
+    min_piece_bytes = 0
+
+
+@pytest.fixture
+def ring_of(monkeypatch):
+    """``ring_of(host, pages)``: ``host`` moving through new rings whose slots
+    hold ``pages`` of its pages (a few more: the budget is whole MiB), with
+    ``ForcedStaged``."""
+
+    def use(host, pages: int):
+        slots = 2 * transfer.StagingRing.SLOTS  # both directions
+        mib = math.ceil(slots * pages * host.host_page.span_bytes / 2**20)
+        monkeypatch.setenv(transfer.STAGING_ENV, str(mib))
+        monkeypatch.setattr(transfer, "_rings", {})
+        host._mover_factory = ForcedStaged
+        host._initialize_transfer_views(None, None)
+        return host
+
+    return use
+
+
+def _page(heads=2, layers=3, heads_major=False, fmt="mxfp8", v_head_dim=128):
+    k, v = (
+        ScaleGeometry(head_num=heads, head_dim=d, page_size=128, fmt=FORMATS[fmt])
+        for d in (128, v_head_dim)
+    )
+    return HostPage(k, v, layer_num=layers, heads_major=heads_major)
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        _page(),
+        _page(heads=1, layers=5),
+        _page(heads=3, layers=4, v_head_dim=64),
+        _page(heads=2, layers=3, fmt="fp4_mx_block16"),
+        _page(heads=4, layers=3, heads_major=True),
+    ],
+    ids=["mxfp8", "one_head", "asymmetric", "fp4", "heads_major"],
+)
+def test_staged_layout_holds_the_runs_the_page_holds(page):
+    """A staged page built from a host page's pieces holds every run of the
+    range where its layout says; a heads-major page stages all its layers
+    or none."""
+    gen = torch.Generator().manual_seed(0)
+    host = torch.randint(0, 256, (page.span_bytes,), dtype=torch.uint8, generator=gen)
+    ranges = [range(page.layer_num), range(0, 1), range(1, page.layer_num)]
+    for layers in ranges:
+        layout = page.staged_layout(layers)
+        if page.heads_major and layers != range(page.layer_num):
+            assert layout is None
+            continue
+        staged = torch.zeros(layout.stride, dtype=torch.uint8)
+        for host_at, staged_at, size in layout.pieces:
+            staged[staged_at : staged_at + size] = host[host_at : host_at + size]
+        sizes = page.run_bytes()
+        if page.heads_major:
+            # The staged page is the host page.
+            assert torch.equal(staged, host)
+            continue
+        for n, layer in enumerate(layers):
+            for part, size in enumerate(sizes):
+                at, want = layout.run_offsets[n][part], page.run_offsets(layer)[part]
+                assert torch.equal(staged[at : at + size], host[want : want + size]), (
+                    PARTS[part],
+                    layer,
+                )
+
+
+def test_staging_budget_is_the_operators(monkeypatch):
+    monkeypatch.setenv(transfer.STAGING_ENV, "64")
+    assert transfer.staging_bytes() == 64 << 20
+    monkeypatch.delenv(transfer.STAGING_ENV)
+    assert transfer.staging_bytes() == transfer.DEFAULT_STAGING_MB << 20
+    for bad in ("-1", "1.5", "lots"):
+        monkeypatch.setenv(transfer.STAGING_ENV, bad)
+        with pytest.raises(BlockScaledHiCacheConfigError, match=transfer.STAGING_ENV):
+            transfer.staging_bytes()
+
+
+def test_no_staging_moves_by_sm_copies(make_pools, monkeypatch):
+    monkeypatch.setenv(transfer.STAGING_ENV, "0")
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    assert type(host._mover) is transfer.PageChunkKernel
+
+
+def test_groups_hold_layers_enough_for_the_copy_engines():
+    """One KV head of 128 at 128 tokens is 17 KiB per layer and side: pieces
+    of 64 KiB need four layers, so a 16-page load after layer 0 goes as
+    layers 1-7, then the doubling groups."""
+    layer = 16 * 34 << 10
+    assert load_layer_groups(8, layer, min_layers=4) == [range(0, 1), range(1, 8)]
+    assert load_layer_groups(80, layer, min_layers=4) == [
+        range(0, 1),
+        range(1, 8),
+        range(8, 16),
+        range(16, 32),
+        range(32, 64),
+        range(64, 80),
+    ]
+    assert load_layer_groups(8, layer, min_layers=1) == load_layer_groups(8, layer)
+
+
+@pytest.mark.parametrize(
+    "heads, layers, pages, layout, kv_cache_dtype, drafts, v_head_dim",
+    [
+        (8, 4, 7, "page_first", "mxfp8", 0, None),
+        (1, 3, 40, "page_first", "mxfp8", 0, None),
+        (8, 13, 9, "page_first", "mxfp8", 0, None),  # groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (8, 4, 9, "page_first", "mxfp8", 2, None),  # packed drafts
+        (8, 4, 9, "layer_first", "mxfp8", 0, None),
+        (4, 3, 9, "page_head", "mxfp8", 0, None),  # whole spans only
+        (4, 3, 9, "page_first", "mxfp8", 0, 64),  # asymmetric heads
+        (8, 4, 9, "page_first", "fp4_mx_block16", 0, None),
+        (4, 3, 9, "page_head", "nvfp4", 1, None),
+    ],
+    ids=str,
+)
+def test_round_trip_staged(
+    make_pools,
+    ring_of,
+    heads,
+    layers,
+    pages,
+    layout,
+    kv_cache_dtype,
+    drafts,
+    v_head_dim,
+):
+    """Backups and loads through a ring of two small slots, byte for byte,
+    every page outside the transfer untouched."""
+    device_pool, host, draft_pools = make_pools(
+        heads=heads,
+        head_dim=128,
+        layers=layers,
+        pages=pages,
+        drafts=drafts,
+        layout=layout,
+        kv_cache_dtype=kv_cache_dtype,
+        v_head_dim=v_head_dim,
+    )
+    ring_of(host, 3)
+    slot_pages = host._backup_prepared.staged[True].slot_pages
+    assert 3 <= slot_pages < pages, "the transfer is not chunks through both slots"
+    result = round_trip(
+        device_pool, host, pages=pages, seed=pages + heads, drafts=draft_pools
+    )
+    assert result.payload_restored and result.scales_restored
+    assert result.host_untouched and result.device_untouched
+
+
+def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
+    """With host indices on the CPU (the controller's, with the plugin's hook)
+    a transfer of 1 MiB or more goes through staging; on the GPU, by SM
+    copies."""
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=6)
+    mover = host._mover
+    assert isinstance(mover, transfer.StagedPageChunks)
+    calls: list[str] = []
+    mover._module = _Recording(mover._module, calls)
+    fill_random(
+        device_buffers(device_pool), torch.Generator(device=device).manual_seed(3)
+    )
+    tokens = page_token_indices(torch.arange(6) + 1)
+    host.backup_from_device_all_layer(
+        device_pool, page_token_indices(torch.arange(6)), tokens.to(device), "kernel"
+    )
+    assert calls == ["staged_transfer"]
+    if device == "cuda":
+        calls.clear()
+        host.backup_from_device_all_layer(
+            device_pool,
+            page_token_indices(torch.arange(6)).to(device),
+            tokens.to(device),
+            "kernel",
+        )
+        assert calls == ["transfer"]
+
+
+class _Recording:
+    """A kernel module that names each entry point called."""
+
+    def __init__(self, module, calls: list[str]) -> None:
+        self._module, self._calls = module, calls
+
+    def __getattr__(self, name):
+        target = getattr(self._module, name)
+
+        def call(*args):
+            self._calls.append(name)
+            return target(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("kind", ["misaligned", "partial"])
+def test_staged_refuses_cpu_pages_before_a_byte_moves(
+    make_pools, device, ring_of, kind
+):
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=4)
+    ring_of(host, 2)
+    fill_random([host.kv_buffer], torch.Generator().manual_seed(3))
+    before = [
+        t.view(torch.uint8).cpu().clone()
+        for t in (host.kv_buffer, *device_buffers(device_pool))
+    ]
+    host_tokens = page_token_indices(torch.tensor([0, 1, 2]))
+    device_tokens = page_token_indices(torch.tensor([3, 1, 2]))
+    if kind == "misaligned":
+        host_tokens[256:] += 1
+        match = "page 2 is not one aligned run"
+    else:
+        host_tokens, device_tokens = host_tokens[:320], device_tokens[:320]
+        match = "are not whole pages of 128"
+    with pytest.raises(RuntimeError, match=match):
+        host.backup_from_device_all_layer(
+            device_pool, host_tokens, device_tokens.to(device), "kernel"
+        )
+    if device == "cuda":
+        torch.cuda.synchronize()
+    after = [
+        t.view(torch.uint8).cpu()
+        for t in (host.kv_buffer, *device_buffers(device_pool))
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_controllers_keep_cpu_host_indices_for_our_pools(make_pools):
+    """The plugin's hooks on the controllers' index moves: with the kernel io
+    backend a pool of ours keeps its CPU host indices; any other pool, or
+    another io backend, gets SGLang's own move."""
+    from types import SimpleNamespace
+
+    _, ours = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    hosts = page_token_indices(torch.tensor([1]))
+    devices = hosts + 128
+    moved = []
+
+    def original(controller, *args, **kwargs):
+        moved.append(args)
+        return "sglang's move"
+
+    kernel = SimpleNamespace(io_backend="kernel", mem_pool_host=ours)
+    assert plugin.keep_host_indices_on_cpu(original, kernel, hosts, devices) == (
+        hosts,
+        devices,
+    )
+    other = SimpleNamespace(io_backend="kernel", mem_pool_host=object())
+    direct = SimpleNamespace(io_backend="direct", mem_pool_host=ours)
+    for controller in (other, direct):
+        assert (
+            plugin.keep_host_indices_on_cpu(original, controller, hosts, devices)
+            == "sglang's move"
+        )
+    assert plugin.keep_pool_host_indices_on_cpu(
+        original, kernel, ours, hosts, devices, write_back_jit=False
+    ) == (hosts, devices)
+    assert (
+        plugin.keep_pool_host_indices_on_cpu(
+            original, kernel, object(), hosts, devices, write_back_jit=False
+        )
+        == "sglang's move"
+    )
+    assert len(moved) == 3
