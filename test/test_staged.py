@@ -184,9 +184,9 @@ def test_round_trip_staged(
 
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
     """With host indices on the CPU (the controller's, with the plugin's hook)
-    a transfer of 1 MiB or more goes through staging; on the GPU, by SM
+    a transfer of 4 MiB or more goes through staging; on the GPU, by SM
     copies."""
-    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=6)
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=10)
     mover = host._mover
     assert isinstance(mover, transfer.StagedPageChunks)
     calls: list[str] = []
@@ -194,16 +194,16 @@ def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
     fill_random(
         device_buffers(device_pool), torch.Generator(device=device).manual_seed(3)
     )
-    tokens = page_token_indices(torch.arange(6) + 1)
+    tokens = page_token_indices(torch.arange(10) + 1)
     host.backup_from_device_all_layer(
-        device_pool, page_token_indices(torch.arange(6)), tokens.to(device), "kernel"
+        device_pool, page_token_indices(torch.arange(10)), tokens.to(device), "kernel"
     )
     assert calls == ["staged_transfer"]
     if device == "cuda":
         calls.clear()
         host.backup_from_device_all_layer(
             device_pool,
-            page_token_indices(torch.arange(6)).to(device),
+            page_token_indices(torch.arange(10)).to(device),
             tokens.to(device),
             "kernel",
         )

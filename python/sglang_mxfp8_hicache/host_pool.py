@@ -9,12 +9,15 @@ is kept, since SGLang's controller places indices by it), asymmetric K and V
 heads, any payload row width, and every L3 backend that stores a page's bytes
 as the pool hands them (the flat page is a view of the span).
 
-    D2H  every layer in one launch (per 128 pages with CPU indices)
-    H2D  layer 0 alone, then doubling groups (1 | 2-3 | 4-7 | ...) merged
-         until each carries MIN_LOAD_GROUP_BYTES; each group is issued with
+    D2H  every layer in one call: through device staging and the copy
+         engines (``transfer.StagedPageChunks``), or one launch of SM copies
+         for a small transfer or GPU host indices
+    H2D  layer 0 alone by SM copies, then doubling groups (1 | 2-3 | 4-7 | ...)
+         merged until each carries MIN_LOAD_GROUP_BYTES and, when staged,
+         pieces the copy engines move at speed; each group is issued with
          the first of its layers the transfer loads: layer 0 waits for its own
          bytes only, and a load of L layers costs at most 1 + ceil(log2 L)
-         launches (one under ONE_LAUNCH_BYTES after layer 0); a packed draft
+         calls (one under ONE_LAUNCH_BYTES after layer 0); a packed draft
          layer comes with its own is_draft load
 
 Contracts a caller relies on:
@@ -551,8 +554,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         plan = self._load_plans.get(pages)
         if plan is None:
             groups = self._load_layer_groups(pages)
+            prepared = [self._mover.prepare(g) for g in groups]
+            prepared[0] = transfer.loads_by_sm(prepared[0])
             plan = self._load_plans[pages] = _LoadPlan(
-                prepared=[self._mover.prepare(g) for g in groups],
+                prepared=prepared,
                 group_of={layer: n for n, g in enumerate(groups) for layer in g},
             )
         return plan

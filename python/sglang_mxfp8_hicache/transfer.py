@@ -323,6 +323,17 @@ class StagedPrepared:
     """By direction (``to_host``); a direction without a plan moves by SM."""
 
 
+def loads_by_sm(prepared: object) -> object:
+    """``prepared`` with loads by SM copies only (a load's layer 0: the
+    forward pass waits for it, so it must arrive soonest, and it is a layer's
+    share of the load's time on the SMs)."""
+    if not isinstance(prepared, StagedPrepared):
+        return prepared
+    return StagedPrepared(
+        prepared.direct, {k: v for k, v in prepared.staged.items() if k}
+    )
+
+
 class StagedPageChunks(PageChunkKernel):
     """Ours through device staging and the copy engines (module docstring),
     for a transfer whose host indices are on the CPU, whose bytes reach
@@ -330,9 +341,11 @@ class StagedPageChunks(PageChunkKernel):
     every other transfer moves as :class:`PageChunkKernel` moves it."""
 
     name = "sglang-mxfp8-hicache page_chunks through device staging"
-    min_bytes = 1 << 20
-    """A transfer of less moves by the SM kernel: it holds SMs for under 20 us,
-    less than a staged move's extra launch and copies take to start."""
+    min_bytes = 4 << 20
+    """A transfer of less moves by the SM kernel: it holds SMs for under 80 us,
+    which costs a GEMM loop beside it nothing measurable, and arrives sooner
+    than a staged move, whose copies and second kernel take some 30 us to
+    start (``docs/benchmarks.md``)."""
     min_piece_bytes = 64 << 10
     """Pieces smaller than this move by the SM kernel: the copy engines move
     16 KiB copies at a twentieth of the link's speed (``docs/benchmarks.md``)."""
