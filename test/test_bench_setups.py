@@ -42,12 +42,16 @@ def cpu_bench(cpu_kernels, monkeypatch) -> list[tuple[type, str, int]]:
             pointers.register([host.scale_host])
         return host
 
-    def time_all(fns, *, warmup, repeat):
-        """Each transfer once, in place of CUDA events."""
+    def time_all(fns, *, warmup, repeat, loop=None):
+        """Each transfer once, in place of CUDA events (beside no loop)."""
         marked = []
         for name, fn in fns.items():
             fn(lambda name=name: marked.append(name))
-        return {name: WHOLE_MS for name in fns}, {name: LAYER0_MS for name in marked}
+        return (
+            {name: WHOLE_MS for name in fns},
+            {name: LAYER0_MS for name in marked},
+            {},
+        )
 
     # SGLang's MXFP8 class moves its scales with kernels the emulation lacks:
     # on the CPU only its payload moves (what it builds is what is tested here).

@@ -97,42 +97,6 @@ Transfer = Callable[[Callable[[], None]], object]
 """One transfer; it calls its argument once layer 0's work is issued (loads)."""
 
 
-def _time_all(
-    fns: dict[str, Transfer], *, warmup: int, repeat: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms of each transfer, whole and to layer 0. Each round runs every
-    column once in a seeded random order, so drift, the position in a round and
-    the column run just before hit every column alike (in a fixed cyclic
-    order each column follows the same one in most rounds)."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn(lambda: None)
-    torch.cuda.synchronize()
-    items = list(fns.items())
-    whole: dict[str, list[float]] = {name: [] for name in fns}
-    layer0: dict[str, list[float]] = {name: [] for name in fns}
-    order = random.Random(0)
-    for _ in range(repeat):
-        order.shuffle(items)
-        for name, fn in items:
-            start, first, end = (torch.cuda.Event(enable_timing=True) for _ in "123")
-            marked: list[None] = []
-
-            def mark(event=first, marked=marked) -> None:
-                marked.append(event.record())
-
-            start.record()
-            fn(mark)
-            end.record()
-            end.synchronize()
-            whole[name].append(start.elapsed_time(end))
-            if marked:
-                layer0[name].append(start.elapsed_time(first))
-    median = {name: statistics.median(t) for name, t in whole.items()}
-    median0 = {name: statistics.median(t) for name, t in layer0.items() if t}
-    return median, median0
-
-
 Loop = Callable[[int], None]
 
 
@@ -144,87 +108,85 @@ def beside_loops(device) -> dict[str, Loop]:
     b, c = torch.randn_like(a), torch.empty_like(a)
     x = torch.zeros(1 << 26, dtype=torch.int32, device=device)
     y = torch.empty_like(x)
-
-    def gemm(n: int) -> None:
-        for _ in range(n):
-            torch.matmul(a, b, out=c)
-
-    def hbm(n: int) -> None:
-        for _ in range(n):
-            torch.add(x, 1, out=y)
-
-    return {"gemm": gemm, "hbm": hbm}
+    return {
+        "gemm": lambda n: [torch.matmul(a, b, out=c) for _ in range(n)],
+        "hbm": lambda n: [torch.add(x, 1, out=y) for _ in range(n)],
+    }
 
 
 GATE_CYCLES = 6_000_000
-"""A sleep both streams start with (about 3 ms on an H200): the transfer and
-the loop are queued behind it and start together."""
+"""A sleep both streams start with beside a loop (about 3 ms on an H200): the
+transfer and the loop are queued behind it and start together."""
 
 
-def _elapsed(start, end) -> float:
+def _ms(start, end) -> float:
+    end.synchronize()
     return start.elapsed_time(end)
 
 
-def _time_beside(
-    fns: dict[str, Transfer], loop: Loop, *, warmup: int, repeat: int
+def _time_all(
+    fns: dict[str, Transfer], *, warmup: int, repeat: int, loop: Loop | None = None
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """Per column: median ms of its transfer and of its layer-0 work on a
-    side stream beside ``loop`` on the main stream, and the loop's median
-    time beside the transfer over its time alone, in alternating rounds (a
-    seeded random column order in each)."""
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
-
-    def event():
-        return torch.cuda.Event(enable_timing=True)
-
-    with torch.cuda.stream(side):
-        alone, _ = _time_all(fns, warmup=warmup, repeat=max(3, repeat // 2))
-    loop(3)
-    start, end = event(), event()
-    start.record()
-    loop(10)
-    end.record()
-    end.synchronize()
-    per_iteration = _elapsed(start, end) / 10
-    sizes = {name: max(1, round(ms / per_iteration)) for name, ms in alone.items()}
+    """Median ms of each transfer, whole and to layer 0, and beside ``loop``
+    on the main stream (the transfer then on a side stream) the loop's
+    median time beside it over its time alone, in alternating rounds, the
+    loop as long as the transfer alone. Each round runs every column once in
+    a seeded random order, so drift, the position in a round and the column
+    run just before hit every column alike (in a fixed cyclic order each
+    column follows the same one in most rounds)."""
+    side = torch.cuda.Stream() if loop else torch.cuda.current_stream()
+    sizes: dict[str, int] = {}
+    if loop is not None:
+        with torch.cuda.stream(side):
+            alone, *_ = _time_all(fns, warmup=warmup, repeat=max(3, repeat // 2))
+        start, end = _events(2)
+        start.record()
+        loop(10)
+        end.record()
+        per_iteration = _ms(start, end) / 10
+        sizes = {name: max(1, round(t / per_iteration)) for name, t in alone.items()}
+        warmup = 0
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn(lambda: None)
+    torch.cuda.synchronize()
     items = list(fns.items())
-    order = random.Random(1)
-    loop_alone: dict[str, list[float]] = {name: [] for name in fns}
-    loop_beside: dict[str, list[float]] = {name: [] for name in fns}
-    whole: dict[str, list[float]] = {name: [] for name in fns}
-    layer0: dict[str, list[float]] = {name: [] for name in fns}
+    whole, layer0, ratio = ({name: [] for name in fns} for _ in "123")
+    order = random.Random(0)
     for _ in range(repeat):
         order.shuffle(items)
         for name, fn in items:
-            n = sizes[name]
-            a, b = event(), event()
-            a.record()
-            loop(n)
-            b.record()
-            b.synchronize()
-            loop_alone[name].append(_elapsed(a, b))
-            x0, x0_layer, x1 = event(), event(), event()
+            start, first, end, loop_start, loop_end = _events(5)
+            if loop is not None:
+                loop_start.record()
+                loop(sizes[name])
+                loop_end.record()
+                loop_alone = _ms(loop_start, loop_end)
             marked: list[None] = []
             with torch.cuda.stream(side):
+                if loop is not None:
+                    torch.cuda._sleep(GATE_CYCLES)
+                start.record()
+                fn(lambda e=first, m=marked: m.append(e.record()))
+                end.record()
+            if loop is not None:
                 torch.cuda._sleep(GATE_CYCLES)
-                x0.record()
-                fn(lambda e=x0_layer, m=marked: m.append(e.record()))
-                x1.record()
-            torch.cuda._sleep(GATE_CYCLES)
-            a.record()
-            loop(n)
-            b.record()
-            torch.cuda.synchronize()
-            loop_beside[name].append(_elapsed(a, b))
-            whole[name].append(_elapsed(x0, x1))
+                loop_start.record()
+                loop(sizes[name])
+                loop_end.record()
+                ratio[name].append(_ms(loop_start, loop_end) / loop_alone)
+            whole[name].append(_ms(start, end))
             if marked:
-                layer0[name].append(_elapsed(x0, x0_layer))
-    assert torch.cuda.current_stream() == main
+                layer0[name].append(start.elapsed_time(first))
     median = statistics.median
-    ratio = {n: median(loop_beside[n]) / median(loop_alone[n]) for n in fns}
-    ms = {n: median(t) for n, t in whole.items()}
-    ms0 = {n: median(t) for n, t in layer0.items() if t}
-    return ms, ms0, ratio
+    return tuple(
+        {name: median(t) for name, t in times.items() if t}
+        for times in (whole, layer0, ratio)
+    )
+
+
+def _events(n: int) -> list[torch.cuda.Event]:
+    return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
 
 
 def draft_depths_after(layer: int, layers: int, drafts: int) -> list[int]:
@@ -427,13 +389,9 @@ def bench_geometry(
             for direction, fns in _transfers(
                 device_pool, drafts, live, pages, page_bytes, gen, setup.io_backend
             ).items():
-                loop_ratio = {}
-                if beside is None:
-                    ms, layer0 = _time_all(fns, warmup=warmup, repeat=repeat)
-                else:
-                    ms, layer0, loop_ratio = _time_beside(
-                        fns, beside[1], warmup=warmup, repeat=repeat
-                    )
+                ms, layer0, loop_ratio = _time_all(
+                    fns, warmup=warmup, repeat=repeat, loop=beside and beside[1]
+                )
                 # Every column in table order, None where its class refused.
                 columns = [*hosts, "raw"]
                 ms = {name: ms.get(name) for name in columns}
