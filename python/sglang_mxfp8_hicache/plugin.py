@@ -177,8 +177,33 @@ def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
     (its constructor calls this function too) still gets its staging.
     """
     if _preparing_staging.get() and claims(buffer_info) is not None:
+        _reserve_device_staging(buffer_info.device)
         return None
     return original(buffer_info, **kwargs)
+
+
+def _reserve_device_staging(device) -> None:
+    """Our pools' own device staging, made where SGLang's would have been:
+    before the KV budget is measured. If it cannot be made now (no kernel
+    builds here), the pool makes it, or goes without, when it is built."""
+    import torch
+
+    from sglang_mxfp8_hicache import transfer
+
+    try:
+        reserved = transfer.reserve_staging(torch.device(device))
+    except transfer.BlockScaledHiCacheConfigError:
+        raise
+    except Exception as exc:  # the pool reports what it then chooses
+        logger.debug("block-scaled HiCache staging not made before sizing: %s", exc)
+        return
+    if reserved:
+        logger.info(
+            "Block-scaled HiCache device staging prepared before KV sizing: "
+            "%.0f MiB (%s).",
+            reserved / 2**20,
+            transfer.STAGING_ENV,
+        )
 
 
 def _is_ours(host_pool: Any) -> bool:

@@ -283,6 +283,8 @@ def staging_ring(
     """The process's ring of ``device`` for one direction, made on first use
     with ``module``'s ``create_lanes`` (half of ``staging_bytes()`` each way),
     or None if the operator allows none."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), to_host)
     if key not in _rings:
         slot = staging_bytes() // 2 // StagingRing.SLOTS // 4096 * 4096
@@ -300,6 +302,17 @@ def staging_ring(
             ring = StagingRing(buffer, int(handle))
         _rings[key] = ring
     return _rings[key]
+
+
+def reserve_staging(device: torch.device) -> int:
+    """Makes the process's staging rings on a CUDA ``device`` now (SGLang
+    measures the KV budget after its own staging is prepared, and these then
+    count against it as that would have); their bytes."""
+    if device.type != "cuda" or not staging_bytes():
+        return 0
+    module = page_chunks_module(16)
+    rings = [staging_ring(device, module, to_host=d) for d in (True, False)]
+    return sum(ring.buffer.numel() for ring in rings if ring is not None)
 
 
 @dataclass(frozen=True)

@@ -553,7 +553,7 @@ def plot(json_paths: Sequence[str], out: str) -> None:
             lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
             for r in rows:
                 ratio = r.ratio("ours", to)
-                if r.direction == direction and ratio is not None:
+                if r.direction == direction and ratio is not None and not r.beside:
                     lines.setdefault((r.setup, r.geometry), []).append((r.pages, ratio))
             for n, ((setup, geometry), points) in enumerate(sorted(lines.items())):
                 points.sort()
