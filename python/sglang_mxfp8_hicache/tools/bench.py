@@ -468,60 +468,33 @@ def _cell(ms: dict[str, float | None], name: str) -> str:
     return REFUSED if name in ms and ms[name] is None else _fmt(ms.get(name))
 
 
-def table_beside(rows: list[Row]) -> tuple[list, list[list]]:
-    """Transfers beside a loop: each column's slowdown of the loop, ours' and
-    the raw copy's time there, and what ours missed."""
-    rows = [r for r in rows if r.beside is not None]
-    names = list(dict.fromkeys(name for r in rows for name in r.loop_ratio))
-    headers = ["setup", "KVxDxL", "pages", "dir", "loop"]
-    headers += [f"{n} loop x" for n in names]
-    headers += ["ours ms", "raw ms", "ours/raw", "missed"]
-    body = [
-        [
-            r.setup_label,
-            r.geometry,
-            str(r.pages),
-            r.direction,
-            r.beside,
-            *(
-                REFUSED
-                if n in r.loop_ratio and r.loop_ratio[n] is None
-                else _fmt(r.loop_ratio.get(n))
-                for n in names
-            ),
-            _cell(r.ms, "ours"),
-            _cell(r.ms, "raw"),
-            _fmt(r.ratio("ours", "raw")),
-            " ".join(g.label() for g in r.missed()) or "-",
-        ]
-        for r in rows
-    ]
-    return headers, body
-
-
-def table(rows: list[Row], *, layer0: bool = False) -> tuple[list, list[list]]:
+def table(
+    rows: list[Row], *, layer0: bool = False, beside: bool = False
+) -> tuple[list, list[list]]:
     """Whole transfers alone, both directions; ``layer0``: loads, until layer
-    0's work is done."""
-    rows = [r for r in rows if r.beside is None]
+    0's work is done; ``beside``: each column's slowdown of the loop beside
+    it, and ours' time there over the raw copy's."""
+    rows = [r for r in rows if (r.beside is not None) == beside]
     rows = [r for r in rows if r.layer0_ms] if layer0 else rows
-    times = [r.layer0_ms if layer0 else r.ms for r in rows]
-    names = list(dict.fromkeys(name for ms in times for name in ms))
+    cells = [r.loop_ratio if beside else r.layer0_ms if layer0 else r.ms for r in rows]
+    names = list(dict.fromkeys(name for cell in cells for name in cell))
+    unit = "loop x" if beside else "L0 ms" if layer0 else "ms"
     ratios = ("payload", "sglang") if layer0 else ("payload", "raw", "sglang")
-    direction = [] if layer0 else ["dir"]
-    headers = ["setup", "KVxDxL", "pages", *direction]
-    headers += [f"{n} {'L0 ms' if layer0 else 'ms'}" for n in names]
+    ratios = ("raw",) if beside else ratios
+    lead = [] if layer0 else ["dir", "loop"] if beside else ["dir"]
+    headers = ["setup", "KVxDxL", "pages", *lead, *(f"{n} {unit}" for n in names)]
     headers += [f"ours/{to}" for to in ratios] + ["missed"]
     body = [
         [
             r.setup_label,
             r.geometry,
             str(r.pages),
-            *([] if layer0 else [r.direction]),
-            *(_cell(ms, n) for n in names),
+            *[{"dir": r.direction, "loop": r.beside}[h] for h in lead],
+            *(_cell(cell, n) for n in names),
             *(_fmt(r.ratio("ours", to, layer0=layer0)) for to in ratios),
             " ".join(g.label() for g in r.missed(layer0=layer0)) or "-",
         ]
-        for r, ms in zip(rows, times, strict=True)
+        for r, cell in zip(rows, cells, strict=True)
     ]
     return headers, body
 

@@ -442,7 +442,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     if args.beside:
         print("Beside a loop on the main stream: its slowdown, and the transfer's ms:")
-        print_table(*bench.table_beside(rows))
+        print_table(*bench.table(rows, beside=True))
     else:
         print_table(*bench.table(rows))
         print("\nLoads, until layer 0's work is done (what the forward pass waits on):")
