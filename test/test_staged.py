@@ -295,3 +295,18 @@ def test_controllers_keep_cpu_host_indices_for_our_pools(make_pools):
         == "sglang's move"
     )
     assert len(moved) == 3
+
+
+def test_pool_says_what_goes_through_staging(make_pools, monkeypatch, caplog):
+    """The pool's one log line says how much device staging it uses, and when
+    its pages do not fit a slot, that backups go by SM copies."""
+    caplog.set_level("INFO", logger="sglang_mxfp8_hicache.host_pool")
+    make_pools(heads=8, head_dim=128, layers=4, pages=2)
+    assert "go through device staging and the copy engines (128 MiB" in caplog.text
+    assert "backups excepted" not in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(transfer.STAGING_ENV, "1")
+    monkeypatch.setattr(transfer, "_rings", {})
+    make_pools(heads=8, head_dim=128, layers=4, pages=2)
+    assert "(1 MiB on this GPU" in caplog.text
+    assert "backups excepted: a page of 1.0 MiB exceeds a staging slot" in caplog.text

@@ -520,20 +520,19 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         mover = self._mover
         if not isinstance(mover, transfer.StagedPageChunks):
             return ""
-        staged = self._backup_prepared.staged
-        if not staged:
-            slot = max((r.slot_bytes for r in mover.rings if r is not None), default=0)
-            return (
-                f"; every transfer by SM copies: a page of {self.host_page.span_bytes / 2**20:.1f} "
-                f"MiB exceeds the device staging slot of {slot / 2**20:.0f} MiB "
-                f"(raise {transfer.STAGING_ENV})"
-            )
-        return (
-            f"; transfers of {mover.min_bytes >> 10} KiB or more with host "
+        said = (
+            f"; transfers of {mover.min_bytes >> 20} MiB or more with host "
             "indices on the CPU go through device staging and the copy engines "
             f"({mover.staging_bytes >> 20} MiB on this GPU, shared by the "
             f"process's block-scaled host pools; {transfer.STAGING_ENV})"
         )
+        if True not in self._backup_prepared.staged:
+            slot = max((r.slot_bytes for r in mover.rings if r), default=0)
+            said += (
+                f", backups excepted: a page of {self.host_page.span_bytes / 2**20:.1f} "
+                f"MiB exceeds a staging slot of {slot / 2**20:.1f} MiB"
+            )
+        return said
 
     def _choose_mover(self, page: HostPage, pool_label: str) -> transfer.MoverFactory:
         """Our kernel if it builds, else SGLang's (``transfer.choose_mover``);

@@ -226,8 +226,8 @@ class PageChunkKernel:
 STAGING_ENV = "SGLANG_MXFP8_HICACHE_STAGING_MB"
 DEFAULT_STAGING_MB = 128
 """Device staging per GPU, both directions: two slots of 32 MiB each way, a
-few hundredths of a percent of an H200 and far below SGLang's own write-back
-staging (64 pages of every layer's payload)."""
+tenth of a percent of an H200, far below SGLang's own write-back staging (2 x
+64 pages of every layer's payload)."""
 COPY_LANES = 8
 """Streams a staged transfer's copies are spread over: copies of a few
 hundred KiB are bound by each copy engine's per-copy cost, which several
