@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_mxfp8_hicache import __version__
-from sglang_mxfp8_hicache.tools import cli
+from sglang_mxfp8_hicache.tools import cli, results
 from sglang_mxfp8_hicache.tools.cli import main
 from sglang_mxfp8_hicache.tools.results import BENCH_GEOMETRIES, BENCH_PAGES
 
@@ -657,3 +657,33 @@ def test_bench_plot_from_json(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = run_cli(["bench", "--plot", str(out)], capsys)
     assert code == 2 and "--plot and --from go together" in err
+
+
+@pytest.mark.parametrize("content", ["{}", "truncated", "l3"])
+def test_bench_plot_of_other_json_is_one_line(tmp_path, capsys, content):
+    """``bench --plot --from`` a file that is not an L2 bench run (an L3
+    report, a truncated file, ``{}``) says so in one line, exit 2."""
+    data = Path(__file__).parent.parent / "docs" / "data"
+    source = tmp_path / "run.json"
+    if content == "l3":
+        source = data / "bench-l3-file-h200.json"
+    elif content == "truncated":
+        source.write_bytes((data / "bench-h200-mxfp8.json").read_bytes()[:100])
+    else:
+        source.write_text(content)
+    out = tmp_path / "plot.png"
+    code, _, err = run_cli(["bench", "--plot", str(out), "--from", str(source)], capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and f"{source}: not the JSON of an L2 bench run" in err
+    assert not out.exists()
+
+
+def test_bench_help_shows_defaults_as_typed(capsys):
+    from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
+
+    assert tuple(ABLATIONS) == results.BENCH_ABLATIONS
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1,4,16,64,256,1024)" in said
+    assert "ours with one choice undone: sm, fallback, load_doubling" in said

@@ -87,3 +87,13 @@ def test_tools_stay_small():
         len(p.read_text().splitlines()) for p in (PACKAGE / "tools").glob("*.py")
     )
     assert lines <= TOOLS_LINE_BUDGET, lines
+
+
+def test_readme_install_works_from_any_clone_and_as_root():
+    """The install steps name no folder a clone may not have made, and say
+    what to run where ``sudo`` is absent (a root shell)."""
+    readme = (PACKAGE.parent.parent / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("## ", 1)[0]
+    assert "cd sglang-mxfp8-hicache" not in install
+    assert "sudo apt-get install" in install and "root shell" in install
+    assert "## Commands" in readme and "about 25 minutes on 2" in readme

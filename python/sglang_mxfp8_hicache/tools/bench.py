@@ -513,11 +513,14 @@ def plot(json_paths: Sequence[str], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [
-        row
-        for path in json_paths
-        for row in msgspec.json.decode(open(path, "rb").read(), type=BenchRun).rows
-    ]
+    rows = []
+    for path in json_paths:
+        try:
+            rows += msgspec.json.decode(open(path, "rb").read(), type=BenchRun).rows
+        except msgspec.DecodeError as exc:
+            raise ValueError(
+                f"{path}: not the JSON of an L2 bench run ({exc})"
+            ) from None
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
     colors = plt.cm.tab20.colors
     for col, direction in enumerate(("backup", "load")):

@@ -403,7 +403,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("--plot and --from go together")
     if args.plot is not None:
         bench = _import_quietly("sglang_mxfp8_hicache.tools.bench")
-        bench.plot(args.plot_from, args.plot)
+        try:
+            bench.plot(args.plot_from, args.plot)
+        except ValueError as exc:
+            raise UsageError(f"--from {exc}") from None
         print(f"wrote {args.plot}")
         return 0
     _refuse_mixed_flags(args)
@@ -604,8 +607,14 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(func=func)
 
         def arg(*flags: str, **kwargs: Any) -> None:
-            if kwargs.get("default") not in (None, ()):  # shown as its value
-                kwargs["help"] += " (default: %(default)s)"
+            default = kwargs.get("default")
+            if default not in (None, ()):  # shown as it is typed
+                shown = (
+                    ",".join(map(str, default))
+                    if type(default) is tuple
+                    else "%(default)s"
+                )
+                kwargs["help"] += f" (default: {shown})"
             cmd.add_argument(*flags, **kwargs)
 
         return arg
@@ -692,7 +701,13 @@ def build_parser() -> argparse.ArgumentParser:
     setups = f"{', '.join(results.BENCH_SETUPS)} (default: page_first)"
     arg("--setup", **names, action="append", help=setups)
     arg("--drafts", **count, help="--setup draft: draft pools (default: 1)")
-    arg("--ablations", **names, default=(), help="ours with one choice undone")
+    ablations = ", ".join(results.BENCH_ABLATIONS)
+    arg(
+        "--ablations",
+        **names,
+        default=(),
+        help=f"ours with one choice undone: {ablations}",
+    )
     loops = ", ".join(results.BESIDE_LOOPS)
     arg("--beside", **names, default=(), help=f"time beside a loop: {loops}")
     rounds = f"(default: {results.BENCH_WARMUP}; --l3: {results.L3_WARMUP})"

@@ -36,6 +36,8 @@ class Step(msgspec.Struct, frozen=True):
     detail: str
 
 
+BENCH_ABLATIONS = ("sm", "fallback", "load_doubling")
+"""What ``bench --ablations`` takes (``ablations.ABLATIONS``)."""
 BESIDE_LOOPS = ("gemm", "hbm")
 """What ``bench --beside`` runs on the main stream while a transfer runs on a
 side stream: bf16 4096^3 GEMMs, or an HBM-bound elementwise add."""
