@@ -1,6 +1,5 @@
 """Our host pool with one design choice undone, for ``bench --ablations``: the
-same bytes (the tests round-trip each), timed beside ours to show what the
-choice is worth."""
+same bytes (the tests round-trip each), timed beside ours."""
 
 from __future__ import annotations
 

@@ -101,9 +101,8 @@ Loop = Callable[[int], None]
 
 
 def beside_loops(device) -> dict[str, Loop]:
-    """The main stream's work beside a transfer (``results.BESIDE_LOOPS``):
-    ``n`` bf16 4096^3 GEMMs (a forward pass's shape: every SM, a wave after
-    another), or ``n`` adds over 256 MiB of int32 (bound by HBM)."""
+    """The main stream's work beside a transfer (``results.BESIDE_LOOPS``): ``n``
+    bf16 4096^3 GEMMs (every SM, wave after wave), or ``n`` adds over 256 MiB."""
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     b, c = torch.randn_like(a), torch.empty_like(a)
     x = torch.zeros(1 << 26, dtype=torch.int32, device=device)
@@ -124,27 +123,34 @@ def _ms(start, end) -> float:
     return start.elapsed_time(end)
 
 
+def _events(n: int) -> list[torch.cuda.Event]:
+    return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+
+
+def _loop_ms(loop: Loop, n: int, *, gate: bool = False) -> float:
+    """``n`` rounds of ``loop`` on the current stream, behind the gate's sleep."""
+    if gate:
+        torch.cuda._sleep(GATE_CYCLES)
+    start, end = _events(2)
+    start.record(), loop(n), end.record()
+    return _ms(start, end)
+
+
 def _time_all(
     fns: dict[str, Transfer], *, warmup: int, repeat: int, loop: Loop | None = None
 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-    """Median ms of each transfer, whole and to layer 0, and beside ``loop``
-    on the main stream (the transfer then on a side stream) the loop's
-    median time beside it over its time alone, in alternating rounds, the
-    loop as long as the transfer alone. Each round runs every column once in
-    a seeded random order, so drift, the position in a round and the column
-    run just before hit every column alike (in a fixed cyclic order each
-    column follows the same one in most rounds)."""
+    """Median ms of each transfer, whole and to layer 0; with ``loop`` (the
+    transfer on a side stream), its median time beside the transfer over its
+    time alone, as long as the transfer alone. Each round runs every column
+    once in a seeded random order, so drift, the position in a round and the
+    column run just before hit every column alike."""
     side = torch.cuda.Stream() if loop else torch.cuda.current_stream()
     sizes: dict[str, int] = {}
     if loop is not None:
         with torch.cuda.stream(side):
             alone, *_ = _time_all(fns, warmup=warmup, repeat=max(3, repeat // 2))
-        start, end = _events(2)
-        start.record()
-        loop(10)
-        end.record()
-        per_iteration = _ms(start, end) / 10
-        sizes = {name: max(1, round(t / per_iteration)) for name, t in alone.items()}
+        per_round = _loop_ms(loop, 10) / 10
+        sizes = {name: max(1, round(t / per_round)) for name, t in alone.items()}
         warmup = 0
     for _ in range(warmup):
         for fn in fns.values():
@@ -156,12 +162,9 @@ def _time_all(
     for _ in range(repeat):
         order.shuffle(items)
         for name, fn in items:
-            start, first, end, loop_start, loop_end = _events(5)
+            start, first, end = _events(3)
             if loop is not None:
-                loop_start.record()
-                loop(sizes[name])
-                loop_end.record()
-                loop_alone = _ms(loop_start, loop_end)
+                loop_alone = _loop_ms(loop, sizes[name])
             marked: list[None] = []
             with torch.cuda.stream(side):
                 if loop is not None:
@@ -170,11 +173,8 @@ def _time_all(
                 fn(lambda e=first, m=marked: m.append(e.record()))
                 end.record()
             if loop is not None:
-                torch.cuda._sleep(GATE_CYCLES)
-                loop_start.record()
-                loop(sizes[name])
-                loop_end.record()
-                ratio[name].append(_ms(loop_start, loop_end) / loop_alone)
+                beside = _loop_ms(loop, sizes[name], gate=True)
+                ratio[name].append(beside / loop_alone)
             whole[name].append(_ms(start, end))
             if marked:
                 layer0[name].append(start.elapsed_time(first))
@@ -183,10 +183,6 @@ def _time_all(
         {name: median(t) for name, t in times.items() if t}
         for times in (whole, layer0, ratio)
     )
-
-
-def _events(n: int) -> list[torch.cuda.Event]:
-    return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
 
 
 def draft_depths_after(layer: int, layers: int, drafts: int) -> list[int]:
@@ -472,8 +468,7 @@ def table(
     rows: list[Row], *, layer0: bool = False, beside: bool = False
 ) -> tuple[list, list[list]]:
     """Whole transfers alone, both directions; ``layer0``: loads, until layer
-    0's work is done; ``beside``: each column's slowdown of the loop beside
-    it, and ours' time there over the raw copy's."""
+    0's work is done; ``beside``: each column's slowdown of the loop."""
     rows = [r for r in rows if (r.beside is not None) == beside]
     rows = [r for r in rows if r.layer0_ms] if layer0 else rows
     cells = [r.loop_ratio if beside else r.layer0_ms if layer0 else r.ms for r in rows]

@@ -355,11 +355,8 @@ def _host_budget_per_rank(ranks: int) -> int | None:
 def _refuse_mixed_flags(args: argparse.Namespace) -> None:
     """Flags of the other kind of run: each names what it needs."""
     l3 = args.l3
-    l2_only = {
-        "--ablations": args.ablations,
-        "--setup": args.setup,
-        "--beside": args.beside,
-    }
+    l2_only = {"--ablations": args.ablations, "--setup": args.setup}
+    l2_only["--beside"] = args.beside
     for flag, value in (l2_only | {"--drafts": args.drafts}).items():
         if l3 is not None and value:
             raise UsageError(f"{flag} is for the L2 bench, not with --l3")

@@ -39,8 +39,7 @@ class Step(msgspec.Struct, frozen=True):
 BENCH_ABLATIONS = ("sm", "fallback", "load_doubling")
 """What ``bench --ablations`` takes (``ablations.ABLATIONS``)."""
 BESIDE_LOOPS = ("gemm", "hbm")
-"""What ``bench --beside`` runs on the main stream while a transfer runs on a
-side stream: bf16 4096^3 GEMMs, or an HBM-bound elementwise add."""
+"""What ``bench --beside`` runs on the main stream (``bench.beside_loops``)."""
 
 
 class Goal(msgspec.Struct, frozen=True):
@@ -130,9 +129,9 @@ class Row(msgspec.Struct):
     setup: str = "page_first"
     drafts: int = 0
     beside: str | None = None
-    """The loop the transfers ran beside (``BESIDE_LOOPS``), or None: alone."""
+    """The loop the transfers ran beside (``BESIDE_LOOPS``), or None: alone;
+    ``loop_ratio``: its time beside each column's transfer over its time alone."""
     loop_ratio: dict[str, float | None] = {}
-    """Beside a loop: its time beside each column's transfer over its time alone."""
 
     @property
     def geometry(self) -> str:
