@@ -97,3 +97,24 @@ def test_readme_install_works_from_any_clone_and_as_root():
     assert "cd sglang-mxfp8-hicache" not in install
     assert "sudo apt-get install" in install and "root shell" in install
     assert "## Commands" in readme and "about 25 minutes on 2" in readme
+
+
+def test_readme_l3_file_figures_are_the_committed_run():
+    """The README's L3 ``file`` figures are those of the JSON it names."""
+    import msgspec
+
+    from sglang_mxfp8_hicache.tools.results import Report
+
+    root = PACKAGE.parent.parent
+    data = (root / "docs" / "data" / "bench-l3-file-h200.json").read_bytes()
+    report = msgspec.json.decode(data, type=Report)
+    ranges = {
+        d: (
+            min(c.ratio(d) for c in report.cells),
+            max(c.ratio(d) for c in report.cells),
+        )
+        for d in ("put", "get")
+    }
+    said = " ".join((root / "README.md").read_text().split())
+    put, get = (f"{lo:.2f}-{hi:.2f}x" for lo, hi in ranges.values())
+    assert f"puts took {put} payload-only's time and gets {get}" in said
