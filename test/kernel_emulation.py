@@ -351,6 +351,26 @@ class EmulatedKernels:
                         )
                         kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
 
+        def checked(
+            what,
+            tables,
+            refused,
+            host_indices,
+            device_indices,
+            parts,
+            heads,
+            page_size,
+            max_blocks,
+        ):
+            """Both entry points' checks, before anything moves: the shapes of
+            the parts and each side's page numbers."""
+            check_indices(what, host_indices, device_indices, page_size)
+            shapes = check_shape(
+                what, tables, refused, parts, heads, page_size, max_blocks
+            )
+            host_pages = pages_of(host_indices, page_size, what)
+            return shapes, host_pages, pages_of(device_indices, page_size, what)
+
         class Module:
             @staticmethod
             def transfer(
@@ -366,12 +386,17 @@ class EmulatedKernels:
                 max_blocks,
             ) -> None:
                 what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                check_indices(what, host_indices, device_indices, page_size)
-                shapes = check_shape(
-                    what, tables, refused, parts, heads, page_size, max_blocks
+                shapes, host_pages, device_pages = checked(
+                    what,
+                    tables,
+                    refused,
+                    host_indices,
+                    device_indices,
+                    parts,
+                    heads,
+                    page_size,
+                    max_blocks,
                 )
-                host_pages = pages_of(host_indices, page_size, what)
-                device_pages = pages_of(device_indices, page_size, what)
                 for _ in range(0, len(device_pages), transfer_launch_pages):
                     kernels.calls.append(("page_chunks", vector))
                 move_chunks(
@@ -419,12 +444,17 @@ class EmulatedKernels:
                 assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
                 if slot_pages <= 0 or stage_stride <= 0 or not lanes:
                     raise RuntimeError(f"{what}: no staging ring")
-                check_indices(what, host_indices, device_indices, page_size)
-                shapes = check_shape(
-                    what, tables, refused, parts, heads, page_size, max_blocks
+                shapes, host_pages, device_pages = checked(
+                    what,
+                    tables,
+                    refused,
+                    host_indices,
+                    device_indices,
+                    parts,
+                    heads,
+                    page_size,
+                    max_blocks,
                 )
-                host_pages = pages_of(host_indices, page_size, what)
-                device_pages = pages_of(device_indices, page_size, what)
                 for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
                     kernels.calls.append(("staged", vector))
                     hosts = host_pages[first : first + slot_pages]
@@ -432,22 +462,14 @@ class EmulatedKernels:
                     staged = torch.arange(len(hosts)) + chunk % 2 * slot_pages
 
                     def copy_pieces(to_host=to_host, hosts=hosts, staged=staged):
+                        """Each piece of every staged page, to or from its host page."""
                         for host_off, staged_off, size in pieces.tolist():
-                            host_at = host_base + hosts * host_stride + host_off
-                            staged_at = stage_base + staged * stage_stride + staged_off
-                            src, dst = (
-                                (staged_at, host_at)
-                                if to_host
-                                else (host_at, staged_at)
+                            host = ([host_base], hosts * host_stride + host_off)
+                            stage = ([stage_base], staged * stage_stride + staged_off)
+                            (src, src_off), (dst, dst_off) = (
+                                (stage, host) if to_host else (host, stage)
                             )
-                            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-                                kernels._copy_rows(
-                                    [s],
-                                    [d],
-                                    torch.zeros(1, dtype=torch.int64),
-                                    torch.zeros(1, dtype=torch.int64),
-                                    size,
-                                )
+                            kernels._copy_rows(src, dst, src_off, dst_off, size)
 
                     if not to_host:
                         copy_pieces()

@@ -206,24 +206,29 @@ def _reserve_device_staging(device) -> None:
         )
 
 
-def _is_ours(host_pool: Any) -> bool:
+def keeps_cpu_host_indices(io_backend: str, host_pool: Any, host_indices) -> bool:
+    """Whether a controller hands ``host_pool`` its host indices as they are,
+    on the CPU: with the ``kernel`` io backend, for a pool of ours (which
+    reads CPU host indices on both its paths: page starts as kernel
+    arguments, or copy addresses; GPU ones keep a transfer off the copy
+    engines)."""
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
-    return isinstance(host_pool, MHATokenToKVPoolMXFP8Host)
+    return (
+        io_backend == "kernel"
+        and not host_indices.is_cuda
+        and isinstance(host_pool, MHATokenToKVPoolMXFP8Host)
+    )
 
 
 def keep_host_indices_on_cpu(
     original: Callable[..., Any], controller, host_indices, device_indices
 ):
-    """AROUND hook on ``HiCacheController.move_indices``: with the ``kernel``
-    io backend, a pool of ours keeps its (CPU) host indices; everything else
-    is SGLang's own move. Our pool reads CPU host indices on both its paths
-    (page starts as kernel arguments, or copy addresses), where GPU ones would
-    keep a transfer off the copy engines."""
-    if (
-        controller.io_backend == "kernel"
-        and not host_indices.is_cuda
-        and _is_ours(controller.mem_pool_host)
+    """AROUND hook on ``HiCacheController.move_indices``: a pool of ours keeps
+    its CPU host indices (``keeps_cpu_host_indices``); everything else is
+    SGLang's own move."""
+    if keeps_cpu_host_indices(
+        controller.io_backend, controller.mem_pool_host, host_indices
     ):
         return host_indices, device_indices
     return original(controller, host_indices, device_indices)
@@ -240,11 +245,7 @@ def keep_pool_host_indices_on_cpu(
     """AROUND hook on ``HybridCacheController._move_pool_indices``, which
     places each pool's indices of a hybrid stack: as
     ``keep_host_indices_on_cpu``, for a pool of ours."""
-    if (
-        controller.io_backend == "kernel"
-        and not host_indices.is_cuda
-        and _is_ours(host_pool)
-    ):
+    if keeps_cpu_host_indices(controller.io_backend, host_pool, host_indices):
         return host_indices, device_indices
     return original(controller, host_pool, host_indices, device_indices, **kwargs)
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -294,10 +295,10 @@ def staging_ring(
                 StagingRing.SLOTS * slot, dtype=torch.uint8, device=device
             )
             handle = torch.zeros(1, dtype=torch.int64)
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    module.create_lanes(handle, COPY_LANES)
-            else:
+            on_device = (
+                torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+            )
+            with on_device:  # the lanes' streams and events are made on it
                 module.create_lanes(handle, COPY_LANES)
             ring = StagingRing(buffer, int(handle))
         _rings[key] = ring

@@ -23,6 +23,7 @@ time there.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import random
 import statistics
@@ -214,10 +215,9 @@ def _transfers(
     raw_device = torch.empty(pages * bytes_per_page, dtype=torch.uint8, device=device)
     raw_host = torch.empty_like(raw_device, device="cpu", pin_memory=raw_device.is_cuda)
 
-    def indices(host, *, backup: bool) -> torch.Tensor:
-        if io_backend == "direct":
-            return host_tokens
-        return host_indices_for(host, host_tokens, device, backup=backup)
+    indices = functools.partial(
+        host_indices_for, host_tokens=host_tokens, device=device, io_backend=io_backend
+    )
 
     def backup(host) -> Transfer:
         hosts = indices(host, backup=True)
@@ -305,14 +305,13 @@ def _drop_classes_that_cannot_move(device_pool, hosts: dict, setup: Setup) -> No
     one page each way, indices placed as SGLang's controller places them,
     tells; such a class is refused for the setup like one that raised when
     built. Ours failing is a failed run."""
-    direct = setup.io_backend == "direct"
-    device = "cpu" if direct else device_pool.device
+    device = "cpu" if setup.io_backend == "direct" else device_pool.device
     tokens = page_token_indices(torch.tensor([1]))
     for name, host in hosts.items():
         if host is None or isinstance(host, MHATokenToKVPoolMXFP8Host):
             continue
-        backup_hosts = (
-            tokens if direct else host_indices_for(host, tokens, device, backup=True)
+        backup_hosts = host_indices_for(
+            host, tokens, device, backup=True, io_backend=setup.io_backend
         )
         try:
             host.backup_from_device_all_layer(

@@ -194,18 +194,21 @@ def host_indices_for(
     device,
     *,
     backup: bool,
+    io_backend: str = IO_BACKEND,
 ) -> torch.Tensor:
-    """A transfer's host indices where SGLang's controller puts them with the
-    ``kernel`` io backend and the plugin's hooks: on the CPU for a pool of
-    ours (``plugin.keep_host_indices_on_cpu``) and for page_first's staged
-    write-back (``HiCacheController._move_write_operation``), on the device
-    otherwise."""
-    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+    """A transfer's CPU host indices where SGLang's controller (with the
+    plugin's hooks) puts them: on the CPU for ``direct`` io, a pool of ours and
+    page_first's staged write-back (``_move_write_operation``), else on ``device``."""
+    from sglang_mxfp8_hicache.plugin import keeps_cpu_host_indices
 
-    if isinstance(host_pool, MHATokenToKVPoolMXFP8Host) or (
-        backup
-        and host_pool.layout == "page_first"
-        and getattr(host_pool, "can_use_write_back_jit", False)
+    if (
+        io_backend == "direct"
+        or keeps_cpu_host_indices(io_backend, host_pool, host_tokens)
+        or (
+            backup
+            and host_pool.layout == "page_first"
+            and getattr(host_pool, "can_use_write_back_jit", False)
+        )
     ):
         return host_tokens
     return host_tokens.to(device)
@@ -290,8 +293,7 @@ def round_trip(
     perm = torch.randperm(device_page_num, generator=cpu) + 1
     src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
     host_pages = torch.randperm(host_page_num, generator=cpu)[:pages]
-    direct = io_backend == "direct"
-    index_device = "cpu" if direct else device
+    index_device = "cpu" if io_backend == "direct" else device
     src_tokens = page_token_indices(src_pages, page_size).to(index_device)
     dst_tokens = page_token_indices(dst_pages, page_size).to(index_device)
     host_tokens = page_token_indices(host_pages, page_size)
@@ -303,9 +305,9 @@ def round_trip(
     start = time.perf_counter()
     host_pool.backup_from_device_all_layer(
         device_pool,
-        host_tokens
-        if direct
-        else host_indices_for(host_pool, host_tokens, device, backup=True),
+        host_indices_for(
+            host_pool, host_tokens, device, backup=True, io_backend=io_backend
+        ),
         src_tokens,
         io_backend,
     )
@@ -316,10 +318,8 @@ def round_trip(
 
     fill_random(device_tensors, gen)
     clobbered = _device_pages(device_pool, device_tensors)
-    host_tokens_dev = (
-        host_tokens
-        if direct
-        else host_indices_for(host_pool, host_tokens, device, backup=False)
+    host_tokens_dev = host_indices_for(
+        host_pool, host_tokens, device, backup=False, io_backend=io_backend
     )
     synchronize(device)
     start = time.perf_counter()
