@@ -37,12 +37,12 @@ class ForcedStaged(transfer.StagedPageChunks):
 @pytest.fixture
 def ring_of(monkeypatch):
     """``ring_of(host, pages)``: ``host`` moving through new rings whose slots
-    hold ``pages`` of its pages (a few more: the budget is whole MiB), with
-    ``ForcedStaged``."""
+    hold at least ``pages`` of its pages (a few more: the budget is whole MiB,
+    and slot 1 starts at a page past slot 0's bytes), with ``ForcedStaged``."""
 
     def use(host, pages: int):
         slots = 2 * transfer.StagingRing.SLOTS  # both directions
-        mib = math.ceil(slots * pages * host.host_page.span_bytes / 2**20)
+        mib = math.ceil(slots * (pages + 1) * host.host_page.span_bytes / 2**20)
         monkeypatch.setenv(transfer.STAGING_ENV, str(mib))
         monkeypatch.setattr(transfer, "_rings", {})
         host._mover_factory = ForcedStaged
@@ -98,6 +98,20 @@ def test_staged_layout_holds_the_runs_the_page_holds(page):
                     PARTS[part],
                     layer,
                 )
+
+
+@pytest.mark.parametrize("stride", [4096, 270_336, 528 << 10, 1_351_680, 5 << 20])
+def test_each_slot_keeps_to_its_half_of_the_ring(stride):
+    """Whatever the stride, slot 0's staged pages lie in the ring's first half
+    and slot 1's in its second: moves of different strides (a load's layer
+    groups, one after another) never share bytes across slots, whose reuse the
+    ring orders per slot."""
+    ring = transfer.StagingRing(torch.empty(2 * (10_747_904 + 4096)), lanes=1)
+    half = ring.slot_bytes
+    pages, second = ring.slot_pages(stride)
+    assert pages >= half // stride - 1 and pages >= 1
+    assert pages * stride <= half <= second * stride
+    assert (second + pages) * stride <= 2 * half
 
 
 def test_staging_budget_is_the_operators(monkeypatch):
@@ -180,6 +194,36 @@ def test_round_trip_staged(
     )
     assert result.payload_restored and result.scales_restored
     assert result.host_untouched and result.device_untouched
+
+
+def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, device):
+    """Backup, load, a backup of other bytes to the same host pages, load
+    again: on one stream, with the same index tensors and no synchronisation
+    between them. Each load restores what the backup just before it saved: a
+    load's copies wait for its own start (``begin_load``), never only for an
+    earlier load's, and its layer groups land in ascending order."""
+    pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
+    device_pool, host = make_pools(heads=8, head_dim=128, layers=layers, pages=pages)
+    ring_of(host, 3)
+    tensors = device_buffers(device_pool)
+    gen = torch.Generator(device=device).manual_seed(11)
+    hosts = page_token_indices(
+        torch.randperm(host.page_num, generator=torch.Generator().manual_seed(2))[
+            :pages
+        ]
+    )
+    src = page_token_indices(torch.arange(pages) + 1).to(device)
+    dst = page_token_indices(torch.arange(pages) + pages + 1).to(device)
+    rows = [t.view(torch.uint8).view(2 * pages + 2, -1) for t in tensors]
+    for _ in range(2):
+        fill_random(tensors, gen)
+        saved = [r[1 : pages + 1].clone() for r in rows]
+        host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
+        for layer in range(layers):
+            host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
+        restored = [r[pages + 1 : 2 * pages + 1].cpu() for r in rows]
+        for was, now in zip(saved, restored, strict=True):
+            assert torch.equal(was.cpu(), now)
 
 
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):

@@ -194,6 +194,8 @@ class _LoadProgress:
     host_indices: torch.Tensor | None
     device_indices: torch.Tensor | None
     plan: _LoadPlan | None = None
+    since: int = 0
+    """The mover's mark of the load's start (``PageChunkMover.begin_load``)."""
     layers: set[int] = field(default_factory=set)
     groups: set[int] = field(default_factory=set)
 
@@ -592,13 +594,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         transfer loads (``_target_load_group``), so every layer is on its way
         before its own call returns, whatever order the layer mapper gives."""
         self._require_io(io_backend)
+        since = 0
         if is_draft:
             prepared = self._draft_prepared.get(layer_id)
         else:
             prepared = self._target_load_group(layer_id, host_indices, device_indices)
+            since = self._load_progress.since
         if prepared is not None:
             self._mover.raise_if_refused()
-            self._mover.move(prepared, host_indices, device_indices, to_host=False)
+            self._mover.move(
+                prepared, host_indices, device_indices, to_host=False, since=since
+            )
 
     def _target_load_group(self, layer_id: int, host_indices, device_indices):
         """The prepared tables of ``layer_id``'s group if this transfer has not
@@ -623,7 +629,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         ):
             plan = self._load_plan(len(host_indices) // self.page_size)
             progress = self._load_progress = _LoadProgress(
-                host_indices, device_indices, plan
+                host_indices, device_indices, plan, self._mover.begin_load(host_indices)
             )
         progress.layers.add(layer_id)
         group = progress.plan.group_of[layer_id]

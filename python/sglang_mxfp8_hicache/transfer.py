@@ -140,6 +140,11 @@ class PageChunkMover(Protocol):
     def prepare(self, layers: range) -> object:
         """What ``move`` needs for these layers, made once (not per transfer)."""
 
+    def begin_load(self, host_indices: torch.Tensor) -> int:
+        """Called at a load's first call, before anything of it is issued:
+        the point of the caller's stream (a CUDA event's handle, or 0 for
+        none) that each of the load's ``move`` calls takes as ``since``."""
+
     def move(
         self,
         prepared: object,
@@ -147,6 +152,7 @@ class PageChunkMover(Protocol):
         device_indices: torch.Tensor,
         *,
         to_host: bool,
+        since: int = 0,
     ) -> None: ...
 
     def raise_if_refused(self) -> None:
@@ -195,7 +201,10 @@ class PageChunkKernel:
     def prepare(self, layers: range) -> torch.Tensor:
         return self._all[layers.start : layers.stop]
 
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+    def begin_load(self, host_indices: torch.Tensor) -> int:
+        return 0
+
+    def move(self, prepared, host_indices, device_indices, *, to_host, since=0) -> None:
         tables = self._tables
         self._module.transfer(
             prepared,
@@ -274,6 +283,16 @@ class StagingRing:
     def address(self) -> int:
         return self.buffer.data_ptr()
 
+    def slot_pages(self, stride: int) -> tuple[int, int]:
+        """(staged pages per slot, the staged page where slot 1 begins) for
+        staged pages of ``stride`` bytes. Slot 1 begins at the first page past
+        slot 0's bytes, so each slot's pages lie within its own bytes whatever
+        the stride: the ring orders each slot's reuse by its own events, and
+        moves of different strides (a load's layer groups) must never share
+        bytes across slots."""
+        second = -(-self.slot_bytes // stride)
+        return self.SLOTS * self.slot_bytes // stride - second, second
+
 
 _rings: dict[tuple[str, bool], StagingRing | None] = {}
 
@@ -326,6 +345,8 @@ class _StagedPlan:
     table: torch.Tensor
     pieces: torch.Tensor
     slot_pages: int
+    second_slot: int
+    """The staged page where slot 1 begins (``StagingRing.slot_pages``)."""
 
 
 @dataclass(frozen=True)
@@ -380,6 +401,7 @@ class StagedPageChunks(PageChunkKernel):
             to_host: staging_ring(device, self._module, to_host=to_host)
             for to_host in (True, False)
         }
+        self._load_start: torch.cuda.Event | None = None
 
     @property
     def rings(self) -> tuple[StagingRing | None, ...]:
@@ -396,7 +418,10 @@ class StagedPageChunks(PageChunkKernel):
         if layout is None or layout.piece_bytes < self.min_piece_bytes:
             return prepared
         for to_host, ring in self._rings.items():
-            if ring is None or ring.slot_bytes < layout.stride:
+            if ring is None:
+                continue
+            slot_pages, second_slot = ring.slot_pages(layout.stride)
+            if slot_pages < 1:
                 continue
             bases = [
                 (*self._tables.bases[layer][: len(PARTS)],)
@@ -410,11 +435,32 @@ class StagedPageChunks(PageChunkKernel):
                     bases, dtype=torch.uint64, device=self._tables.device
                 ),
                 pieces=torch.tensor(layout.pieces, dtype=torch.int64),
-                slot_pages=ring.slot_bytes // layout.stride,
+                slot_pages=slot_pages,
+                second_slot=second_slot,
             )
         return prepared
 
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+    def begin_load(self, host_indices: torch.Tensor) -> int:
+        """The load's start on the caller's stream, for a load that may be
+        staged: its staged groups' copies wait for that point, so a later
+        group's copies are not held behind an earlier group's kernels (the
+        ring orders its slots itself). One event, recorded anew per load: a
+        wait takes the record made before it."""
+        tables = self._tables
+        if (
+            self._rings[False] is None
+            or tables.device.type != "cuda"
+            or host_indices.device.type != "cpu"
+            or host_indices.numel() // tables.page_size * tables.host_stride
+            < self.min_bytes
+        ):
+            return 0
+        if self._load_start is None:
+            self._load_start = torch.cuda.Event()
+        self._load_start.record()
+        return self._load_start.cuda_event
+
+    def move(self, prepared, host_indices, device_indices, *, to_host, since=0) -> None:
         plan = prepared.staged.get(to_host)
         tables = self._tables
         pages = host_indices.numel() // tables.page_size
@@ -437,12 +483,14 @@ class StagedPageChunks(PageChunkKernel):
             plan.ring.address,
             plan.layout.stride,
             plan.slot_pages,
+            plan.second_slot,
             plan.pieces,
             tables.host_address,
             tables.host_stride,
             plan.ring.lanes,
             to_host,
             self._gather_blocks,
+            since,
         )
 
 
@@ -546,7 +594,10 @@ class SGLangChunkKernels:
             pages.append(numbers.to(dtype).contiguous())
         return pages[0], pages[1]
 
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+    def begin_load(self, host_indices: torch.Tensor) -> int:
+        return 0
+
+    def move(self, prepared, host_indices, device_indices, *, to_host, since=0) -> None:
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
         check_transfer_pages(host_indices, device_indices, self._tables.page_size, what)
         host_pages, device_pages = self._page_numbers(host_indices, device_indices)

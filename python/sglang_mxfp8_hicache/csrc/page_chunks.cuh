@@ -226,7 +226,7 @@ struct PageChunkKernel {
   static constexpr uint32_t kWarpsPerBlock = kBlockSize / kWarpLanes;
 
   template <typename T, bool kToHost, bool kHostByValue, bool kDeviceByValue, uint32_t kMaxPages>
-  static void launch(const ChunkParams<kMaxPages>& params, int64_t max_blocks, DLDevice device) {
+  static void launch(const ChunkParams<kMaxPages>& params, int64_t max_blocks, cudaStream_t stream) {
     const uint64_t items =
         uint64_t{params.shape.units_per_head} * params.shape.heads * params.shape.num_layers * params.num_pages;
     if (items == 0) {
@@ -234,7 +234,7 @@ struct PageChunkKernel {
     }
     const auto blocks = static_cast<uint32_t>(
         std::min<uint64_t>(host::div_ceil(items, uint64_t{kWarpsPerBlock}), static_cast<uint64_t>(max_blocks)));
-    host::LaunchKernel(blocks, kBlockSize, device)(
+    host::LaunchKernel(blocks, kBlockSize, stream)(
         page_chunks_kernel<T, kVec, kUnroll, kBlockSize, kToHost, kHostByValue, kDeviceByValue, kMaxPages>, params);
   }
 
@@ -275,6 +275,7 @@ struct PageChunkKernel {
     };
     const bool host_cpu = on_cpu(host_indices);
     const bool device_cpu = on_cpu(device_indices);
+    const cudaStream_t stream = host::LaunchKernel::resolve_device(gpu);
     const int64_t page_size = shape.page_size;
     if (!host_cpu && !device_cpu) {
       host::RuntimeCheck(
@@ -286,7 +287,7 @@ struct PageChunkKernel {
       params.host_indices = host_indices.data_ptr();
       params.device_indices = device_indices.data_ptr();
       params.num_pages = static_cast<uint32_t>(num_pages);
-      launch<T, kToHost, false, false>(params, max_blocks, gpu);
+      launch<T, kToHost, false, false>(params, max_blocks, stream);
       return;
     }
     // Every CPU-side page is checked before the first launch: a refused
@@ -314,11 +315,11 @@ struct PageChunkKernel {
         params.device_indices = static_cast<const T*>(device_indices.data_ptr()) + first * page_size;
       }
       if (host_cpu && device_cpu) {
-        launch<T, kToHost, true, true>(params, max_blocks, gpu);
+        launch<T, kToHost, true, true>(params, max_blocks, stream);
       } else if (host_cpu) {
-        launch<T, kToHost, true, false>(params, max_blocks, gpu);
+        launch<T, kToHost, true, false>(params, max_blocks, stream);
       } else {
-        launch<T, kToHost, false, true>(params, max_blocks, gpu);
+        launch<T, kToHost, false, true>(params, max_blocks, stream);
       }
     }
   }

@@ -17,10 +17,17 @@
 // sides (consecutive host pages) move as one copy, and a chunk's copies are
 // spread over `lanes` streams, so several copy engines share the small ones.
 //
-// Ordering: the kernels run on the caller's stream, the copies on the lanes,
-// joined by events; a call returns with the caller's stream waiting for every
-// copy it issued, so an event recorded on that stream after the call (the
-// controller's completion and per-layer events) covers every byte moved.
+// Ordering: the kernels run on a stream of the device's greatest priority,
+// the copies on the lanes, joined by events. The kernels start where the
+// caller's stream is, and so do a load's copies, unless the caller names an
+// earlier point of its stream (`since`, a load's start: a load's later layer
+// groups then do not wait for its earlier groups' kernels). A call returns
+// with the caller's stream waiting for everything it issued, so an event
+// recorded on that stream after the call (the controller's completion and
+// per-layer events) covers every byte moved. The priority lets a staging
+// kernel take SMs as soon as the forward pass's running blocks retire, not
+// after every block its kernels have queued: the kernel holds them for
+// microseconds, and the copies do not wait a GEMM's length for it.
 // Host token indices are on the CPU (their page starts give the copies'
 // addresses) and are checked here before anything moves, as are device ones
 // on the CPU; device token indices on the GPU are checked by the kernel, which
@@ -44,17 +51,18 @@ inline constexpr uint32_t kSlots = 2;
 inline constexpr uint32_t kMaxLanes = 8;
 inline constexpr int64_t kPieceFields = 3;  // host offset, staged offset, bytes
 
-// The copy side of one staging ring, made once per ring and kept for the
-// process: the lanes' streams, and per slot an event on each lane (its copies
-// of the slot are done) and one on the caller's stream (the kernel that reads
-// or writes the slot is done).
+// The streams of one staging ring, made once per ring and kept for the
+// process: the lanes' and the kernels', and per slot an event on each lane
+// (its copies of the slot are done) and one on the kernels' stream (the
+// kernel that reads or writes the slot is done).
 struct CopyLanes {
   uint32_t lanes = 0;
   uint32_t next_slot = 0;
+  cudaStream_t kernels = {};
   cudaStream_t streams[kMaxLanes] = {};
   cudaEvent_t copied[kSlots][kMaxLanes] = {};
   cudaEvent_t kernel_done[kSlots] = {};
-  cudaEvent_t started = {};  // a load's start on the caller's stream
+  cudaEvent_t started = {};  // a call's start on the caller's stream
   std::mutex mutex;
 };
 
@@ -136,6 +144,9 @@ struct StagedPageChunks {
     RuntimeCheck(lanes >= 1 && lanes <= kMaxLanes, "block-scaled HiCache: 1 to ", kMaxLanes, " copy lanes");
     auto* state = new CopyLanes();  // kept for the process, as the ring's staging is
     state->lanes = static_cast<uint32_t>(lanes);
+    int least = 0, greatest = 0;
+    RuntimeDeviceCheck(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    RuntimeDeviceCheck(cudaStreamCreateWithPriority(&state->kernels, cudaStreamNonBlocking, greatest));
     for (uint32_t j = 0; j < state->lanes; ++j) {
       RuntimeDeviceCheck(cudaStreamCreateWithFlags(&state->streams[j], cudaStreamNonBlocking));
       for (uint32_t s = 0; s < kSlots; ++s) {
@@ -186,21 +197,25 @@ struct StagedPageChunks {
       char* stage_base,
       int64_t stage_stride,
       int64_t slot_pages,
+      int64_t second_slot,
       char* host_base,
       int64_t host_stride,
       int64_t max_blocks,
+      cudaEvent_t since,
       DLDevice gpu) {
+    using host::RuntimeDeviceCheck;
     const auto num_pages = static_cast<int64_t>(host_pages.size());
     const bool device_by_value = device_tokens == nullptr;
-    const cudaStream_t stream = host::LaunchKernel::resolve_device(gpu);
+    const cudaStream_t caller = host::LaunchKernel::resolve_device(gpu);
+    const cudaStream_t kernels = state.kernels;
     thread_local std::vector<Copy> copies;
     bool used[kSlots] = {};
+    RuntimeDeviceCheck(cudaEventRecord(state.started, caller));
+    RuntimeDeviceCheck(cudaStreamWaitEvent(kernels, state.started, 0));
     if constexpr (!kToHost) {
-      // A load's copies start where the caller's stream is (after the events
-      // it waits on), as its kernels would.
-      host::RuntimeDeviceCheck(cudaEventRecord(state.started, stream));
+      const cudaEvent_t copies_after = since != nullptr ? since : state.started;
       for (uint32_t j = 0; j < state.lanes; ++j) {
-        host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.started, 0));
+        RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], copies_after, 0));
       }
     }
     for (int64_t first = 0; first < num_pages; first += slot_pages) {
@@ -208,7 +223,7 @@ struct StagedPageChunks {
       const uint32_t slot = state.next_slot;
       state.next_slot = (slot + 1) % kSlots;
       used[slot] = true;
-      const int64_t staged_first = slot * slot_pages;
+      const int64_t staged_first = slot == 0 ? 0 : second_slot;
       copies.clear();
       size_t total = 0;
       for (int64_t p = 0; p < count; ++p) {
@@ -244,47 +259,52 @@ struct StagedPageChunks {
             for (int64_t p = 0; p < n; ++p) {
               params.device_pages[p] = device_pages[first + sub + p];
             }
-            Kernel::template launch<T, kToHost, true, true>(params, max_blocks, gpu);
+            Kernel::template launch<T, kToHost, true, true>(params, max_blocks, kernels);
           } else {
             params.device_indices = device_tokens + (first + sub) * shape.page_size;
-            Kernel::template launch<T, kToHost, true, false>(params, max_blocks, gpu);
+            Kernel::template launch<T, kToHost, true, false>(params, max_blocks, kernels);
           }
         }
       };
       if constexpr (kToHost) {
         // The slot is free once the lanes' copies out of its last use are done.
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[slot][j], 0));
+          RuntimeDeviceCheck(cudaStreamWaitEvent(kernels, state.copied[slot][j], 0));
         }
         launch_kernel();
-        host::RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], stream));
+        RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], kernels));
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
+          RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
         }
         spread(copies, total, state, true, gpu.device_id);
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          host::RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
+          RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
         }
       } else {
         // The slot is free once the kernel that read its last use is done.
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
+          RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
         }
         spread(copies, total, state, false, gpu.device_id);
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          host::RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
-          host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[slot][j], 0));
+          RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
+          RuntimeDeviceCheck(cudaStreamWaitEvent(kernels, state.copied[slot][j], 0));
         }
         launch_kernel();
-        host::RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], stream));
+        RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], kernels));
       }
     }
-    if constexpr (kToHost) {
-      for (uint32_t s = 0; s < kSlots; ++s) {
-        if (!used[s]) continue;
+    // The caller's stream waits for the last stage of each slot it used: a
+    // backup's copies (after their kernels), a load's kernels (after their
+    // copies).
+    for (uint32_t s = 0; s < kSlots; ++s) {
+      if (!used[s]) continue;
+      if constexpr (kToHost) {
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[s][j], 0));
+          RuntimeDeviceCheck(cudaStreamWaitEvent(caller, state.copied[s][j], 0));
         }
+      } else {
+        RuntimeDeviceCheck(cudaStreamWaitEvent(caller, state.kernel_done[s], 0));
       }
     }
   }
@@ -298,7 +318,11 @@ struct StagedPageChunks {
   //   times host_stride from host_base address the host pages);
   // device_indices: token indices on the GPU (int32 or int64) or the CPU (int64);
   // pieces: [n, 3] CPU int64, each (host offset, staged offset, bytes) of a
-  //   page (StagedLayout); slot_pages: staged pages per slot.
+  //   page (StagedLayout); slot_pages: staged pages per slot, slot 0's from
+  //   staged page 0, slot 1's from `second_slot` (StagingRing.slot_pages: each
+  //   slot's pages lie within its own half of the ring, whatever the stride);
+  // since: 0, or a load's copies wait for this cudaEvent_t (recorded on the
+  //   caller's stream at the load's start) instead of for the stream now.
   static void transfer(
       const tvm::ffi::TensorView tables,
       const tvm::ffi::TensorView refused,
@@ -310,12 +334,14 @@ struct StagedPageChunks {
       const int64_t stage_base,
       const int64_t stage_stride,
       const int64_t slot_pages,
+      const int64_t second_slot,
       const tvm::ffi::TensorView pieces,
       const int64_t host_base,
       const int64_t host_stride,
       const int64_t lanes_handle,
       const bool to_host,
-      const int64_t max_blocks) {
+      const int64_t max_blocks,
+      const int64_t since) {
     using namespace host;
     const char* what = to_host ? "block-scaled HiCache backup" : "block-scaled HiCache load";
     auto N = SymbolicSize{"indices length"};
@@ -325,7 +351,10 @@ struct StagedPageChunks {
     TensorMatcher({P, kPieceFields}).with_dtype<int64_t>().with_device<kDLCPU>().verify(pieces);
     RuntimeCheck(page_size > 0, what, ": page_size must be positive");
     RuntimeCheck(N.unwrap() % page_size == 0, what, ": ", N.unwrap(), " token indices are not whole pages of ", page_size);
-    RuntimeCheck(slot_pages > 0 && stage_stride > 0 && lanes_handle != 0, what, ": no staging ring");
+    RuntimeCheck(
+        slot_pages > 0 && second_slot >= slot_pages && stage_stride > 0 && lanes_handle != 0,
+        what,
+        ": no staging ring");
     const ChunkShape shape = Kernel::make_shape(tables, refused, parts, heads, stage_stride, page_size, max_blocks, what);
     const int64_t num_pages = N.unwrap() / page_size;
     if (num_pages == 0) return;
@@ -358,9 +387,11 @@ struct StagedPageChunks {
           stage,
           stage_stride,
           slot_pages,
+          second_slot,
           host_pool,
           host_stride,
           max_blocks,
+          reinterpret_cast<cudaEvent_t>(since),
           tables.device());
     };
     const bool int32_tokens = !device_cpu && device_indices.dtype().bits == 32;
