@@ -200,7 +200,7 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     """Backup, load, a backup of other bytes to the same host pages, load
     again: on one stream, with the same index tensors and no synchronisation
     between them. Each load restores what the backup just before it saved: a
-    load's copies wait for its own start (``begin_load``), never only for an
+    load's copies wait for its own first staged group, never only for an
     earlier load's, and its layer groups land in ascending order."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
     device_pool, host = make_pools(heads=8, head_dim=128, layers=layers, pages=pages)

@@ -194,8 +194,6 @@ class _LoadProgress:
     host_indices: torch.Tensor | None
     device_indices: torch.Tensor | None
     plan: _LoadPlan | None = None
-    since: int = 0
-    """The mover's mark of the load's start (``PageChunkMover.begin_load``)."""
     layers: set[int] = field(default_factory=set)
     groups: set[int] = field(default_factory=set)
 
@@ -594,16 +592,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         transfer loads (``_target_load_group``), so every layer is on its way
         before its own call returns, whatever order the layer mapper gives."""
         self._require_io(io_backend)
-        since = 0
+        load = None
         if is_draft:
             prepared = self._draft_prepared.get(layer_id)
         else:
             prepared = self._target_load_group(layer_id, host_indices, device_indices)
-            since = self._load_progress.since
+            load = self._load_progress
         if prepared is not None:
             self._mover.raise_if_refused()
             self._mover.move(
-                prepared, host_indices, device_indices, to_host=False, since=since
+                prepared, host_indices, device_indices, to_host=False, load=load
             )
 
     def _target_load_group(self, layer_id: int, host_indices, device_indices):
@@ -629,7 +627,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         ):
             plan = self._load_plan(len(host_indices) // self.page_size)
             progress = self._load_progress = _LoadProgress(
-                host_indices, device_indices, plan, self._mover.begin_load(host_indices)
+                host_indices, device_indices, plan
             )
         progress.layers.add(layer_id)
         group = progress.plan.group_of[layer_id]

@@ -140,11 +140,6 @@ class PageChunkMover(Protocol):
     def prepare(self, layers: range) -> object:
         """What ``move`` needs for these layers, made once (not per transfer)."""
 
-    def begin_load(self, host_indices: torch.Tensor) -> int:
-        """Called at a load's first call, before anything of it is issued:
-        the point of the caller's stream (a CUDA event's handle, or 0 for
-        none) that each of the load's ``move`` calls takes as ``since``."""
-
     def move(
         self,
         prepared: object,
@@ -152,8 +147,10 @@ class PageChunkMover(Protocol):
         device_indices: torch.Tensor,
         *,
         to_host: bool,
-        since: int = 0,
-    ) -> None: ...
+        load: object | None = None,
+    ) -> None:
+        """``load``: for a load's call, a token the pool keeps for that one
+        load (every layer group of it passes the same), or None."""
 
     def raise_if_refused(self) -> None:
         """Raise if an earlier launch refused a page (see the module docstring)."""
@@ -201,10 +198,9 @@ class PageChunkKernel:
     def prepare(self, layers: range) -> torch.Tensor:
         return self._all[layers.start : layers.stop]
 
-    def begin_load(self, host_indices: torch.Tensor) -> int:
-        return 0
-
-    def move(self, prepared, host_indices, device_indices, *, to_host, since=0) -> None:
+    def move(
+        self, prepared, host_indices, device_indices, *, to_host, load=None
+    ) -> None:
         tables = self._tables
         self._module.transfer(
             prepared,
@@ -401,7 +397,7 @@ class StagedPageChunks(PageChunkKernel):
             to_host: staging_ring(device, self._module, to_host=to_host)
             for to_host in (True, False)
         }
-        self._load_start: torch.cuda.Event | None = None
+        self._load_mark: tuple[object, torch.cuda.Event] | None = None
 
     @property
     def rings(self) -> tuple[StagingRing | None, ...]:
@@ -440,27 +436,26 @@ class StagedPageChunks(PageChunkKernel):
             )
         return prepared
 
-    def begin_load(self, host_indices: torch.Tensor) -> int:
-        """The load's start on the caller's stream, for a load that may be
-        staged: its staged groups' copies wait for that point, so a later
-        group's copies are not held behind an earlier group's kernels (the
-        ring orders its slots itself). One event, recorded anew per load: a
-        wait takes the record made before it."""
-        tables = self._tables
-        if (
-            self._rings[False] is None
-            or tables.device.type != "cuda"
-            or host_indices.device.type != "cpu"
-            or host_indices.numel() // tables.page_size * tables.host_stride
-            < self.min_bytes
-        ):
+    def _copies_after(self, load: object | None) -> int:
+        """Where on the caller's stream a staged load call's copies may start
+        (a CUDA event's handle; 0: where the stream is now). A load's first
+        staged call marks the stream where it is, after the load's layer 0
+        (which should have the link to itself); its later calls' copies start
+        from that mark, not behind its earlier groups' kernels (the ring
+        orders its slots itself). One event, recorded anew per load: a wait
+        takes the record made before it."""
+        if load is None or self._tables.device.type != "cuda":
             return 0
-        if self._load_start is None:
-            self._load_start = torch.cuda.Event()
-        self._load_start.record()
-        return self._load_start.cuda_event
+        marked = self._load_mark
+        if marked is None or marked[0] is not load:
+            event = torch.cuda.Event() if marked is None else marked[1]
+            event.record()
+            marked = self._load_mark = (load, event)
+        return marked[1].cuda_event
 
-    def move(self, prepared, host_indices, device_indices, *, to_host, since=0) -> None:
+    def move(
+        self, prepared, host_indices, device_indices, *, to_host, load=None
+    ) -> None:
         plan = prepared.staged.get(to_host)
         tables = self._tables
         pages = host_indices.numel() // tables.page_size
@@ -490,7 +485,7 @@ class StagedPageChunks(PageChunkKernel):
             plan.ring.lanes,
             to_host,
             self._gather_blocks,
-            since,
+            0 if to_host else self._copies_after(load),
         )
 
 
@@ -594,10 +589,9 @@ class SGLangChunkKernels:
             pages.append(numbers.to(dtype).contiguous())
         return pages[0], pages[1]
 
-    def begin_load(self, host_indices: torch.Tensor) -> int:
-        return 0
-
-    def move(self, prepared, host_indices, device_indices, *, to_host, since=0) -> None:
+    def move(
+        self, prepared, host_indices, device_indices, *, to_host, load=None
+    ) -> None:
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
         check_transfer_pages(host_indices, device_indices, self._tables.page_size, what)
         host_pages, device_pages = self._page_numbers(host_indices, device_indices)

@@ -20,8 +20,9 @@
 // Ordering: the kernels run on a stream of the device's greatest priority,
 // the copies on the lanes, joined by events. The kernels start where the
 // caller's stream is, and so do a load's copies, unless the caller names an
-// earlier point of its stream (`since`, a load's start: a load's later layer
-// groups then do not wait for its earlier groups' kernels). A call returns
+// earlier point of its stream (`since`: where the load's first staged layer
+// group began, so its later groups' copies do not wait for the earlier
+// groups' kernels). A call returns
 // with the caller's stream waiting for everything it issued, so an event
 // recorded on that stream after the call (the controller's completion and
 // per-layer events) covers every byte moved. The priority lets a staging
@@ -322,7 +323,8 @@ struct StagedPageChunks {
   //   staged page 0, slot 1's from `second_slot` (StagingRing.slot_pages: each
   //   slot's pages lie within its own half of the ring, whatever the stride);
   // since: 0, or a load's copies wait for this cudaEvent_t (recorded on the
-  //   caller's stream at the load's start) instead of for the stream now.
+  //   caller's stream where the load's first staged call began) instead of
+  //   for the stream now; a backup's copies follow its kernels.
   static void transfer(
       const tvm::ffi::TensorView tables,
       const tvm::ffi::TensorView refused,
