@@ -35,8 +35,8 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   whole transfer before anything moves.
 - ``page_chunks_module(vector).staged_transfer`` (ours, ``csrc/staged_copies.cuh``):
   the same chunks through a staging ring: per chunk of ``slot_pages`` pages
-  (the ring's two slots in turn, slot 1's staged pages from ``second_slot``;
-  ``since`` is 0, no stream to wait for), a backup moves each page's chunks to its
+  (the ring's two slots in turn, slot 1's staged pages from ``second_slot``),
+  a backup moves each page's chunks to its
   staged page (the ring's base plus the staged page number times
   ``stage_stride``, with the table's host bases naming staged page 0), then
   copies each ``(host offset, staged offset, bytes)`` piece to its host page
@@ -435,14 +435,12 @@ class EmulatedKernels:
                 lanes,
                 to_host,
                 max_blocks,
-                since,
             ) -> None:
                 """Per chunk of ``slot_pages`` pages, alternating between the
                 ring's two slots: a backup gathers the chunks into staged pages
                 then copies each piece to its host page; a load copies the
                 pieces in, then scatters."""
                 what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                assert since == 0, "no stream to have marked on the CPU"
                 assert host_indices.device.type == "cpu"
                 assert host_indices.dtype == torch.int64, "host indices: CPU int64"
                 assert pieces.dtype == torch.int64 and pieces.shape[1] == 3

@@ -104,8 +104,8 @@ def test_staged_layout_holds_the_runs_the_page_holds(page):
 def test_each_slot_keeps_to_its_half_of_the_ring(stride):
     """Whatever the stride, slot 0's staged pages lie in the ring's first half
     and slot 1's in its second: moves of different strides (a load's layer
-    groups, one after another) never share bytes across slots, whose reuse the
-    ring orders per slot."""
+    groups, pools of other geometries) never share bytes across slots, whose
+    reuse the ring orders per slot."""
     ring = transfer.StagingRing(torch.empty(2 * (10_747_904 + 4096)), lanes=1)
     half = ring.slot_bytes
     pages, second = ring.slot_pages(stride)
@@ -200,8 +200,8 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     """Backup, load, a backup of other bytes to the same host pages, load
     again: on one stream, with the same index tensors and no synchronisation
     between them. Each load restores what the backup just before it saved: a
-    load's copies wait for its own first staged group, never only for an
-    earlier load's, and its layer groups land in ascending order."""
+    load's copies wait for what came before it on the stream, and its layer
+    groups land in ascending order."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
     device_pool, host = make_pools(heads=8, head_dim=128, layers=layers, pages=pages)
     ring_of(host, 3)

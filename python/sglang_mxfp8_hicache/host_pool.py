@@ -592,17 +592,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         transfer loads (``_target_load_group``), so every layer is on its way
         before its own call returns, whatever order the layer mapper gives."""
         self._require_io(io_backend)
-        load = None
         if is_draft:
             prepared = self._draft_prepared.get(layer_id)
         else:
             prepared = self._target_load_group(layer_id, host_indices, device_indices)
-            load = self._load_progress
         if prepared is not None:
             self._mover.raise_if_refused()
-            self._mover.move(
-                prepared, host_indices, device_indices, to_host=False, load=load
-            )
+            self._mover.move(prepared, host_indices, device_indices, to_host=False)
 
     def _target_load_group(self, layer_id: int, host_indices, device_indices):
         """The prepared tables of ``layer_id``'s group if this transfer has not

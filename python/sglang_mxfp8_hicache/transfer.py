@@ -147,10 +147,7 @@ class PageChunkMover(Protocol):
         device_indices: torch.Tensor,
         *,
         to_host: bool,
-        load: object | None = None,
-    ) -> None:
-        """``load``: for a load's call, a token the pool keeps for that one
-        load (every layer group of it passes the same), or None."""
+    ) -> None: ...
 
     def raise_if_refused(self) -> None:
         """Raise if an earlier launch refused a page (see the module docstring)."""
@@ -198,9 +195,7 @@ class PageChunkKernel:
     def prepare(self, layers: range) -> torch.Tensor:
         return self._all[layers.start : layers.stop]
 
-    def move(
-        self, prepared, host_indices, device_indices, *, to_host, load=None
-    ) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         tables = self._tables
         self._module.transfer(
             prepared,
@@ -283,9 +278,9 @@ class StagingRing:
         """(staged pages per slot, the staged page where slot 1 begins) for
         staged pages of ``stride`` bytes. Slot 1 begins at the first page past
         slot 0's bytes, so each slot's pages lie within its own bytes whatever
-        the stride: the ring orders each slot's reuse by its own events, and
-        moves of different strides (a load's layer groups) must never share
-        bytes across slots."""
+        the stride: the ring orders each slot's reuse by that slot's events
+        alone, which then hold for moves of any stride (a load's layer groups,
+        pools of other geometries) from any stream."""
         second = -(-self.slot_bytes // stride)
         return self.SLOTS * self.slot_bytes // stride - second, second
 
@@ -397,7 +392,6 @@ class StagedPageChunks(PageChunkKernel):
             to_host: staging_ring(device, self._module, to_host=to_host)
             for to_host in (True, False)
         }
-        self._load_mark: tuple[object, torch.cuda.Event] | None = None
 
     @property
     def rings(self) -> tuple[StagingRing | None, ...]:
@@ -436,26 +430,7 @@ class StagedPageChunks(PageChunkKernel):
             )
         return prepared
 
-    def _copies_after(self, load: object | None) -> int:
-        """Where on the caller's stream a staged load call's copies may start
-        (a CUDA event's handle; 0: where the stream is now). A load's first
-        staged call marks the stream where it is, after the load's layer 0
-        (which should have the link to itself); its later calls' copies start
-        from that mark, not behind its earlier groups' kernels (the ring
-        orders its slots itself). One event, recorded anew per load: a wait
-        takes the record made before it."""
-        if load is None or self._tables.device.type != "cuda":
-            return 0
-        marked = self._load_mark
-        if marked is None or marked[0] is not load:
-            event = torch.cuda.Event() if marked is None else marked[1]
-            event.record()
-            marked = self._load_mark = (load, event)
-        return marked[1].cuda_event
-
-    def move(
-        self, prepared, host_indices, device_indices, *, to_host, load=None
-    ) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         plan = prepared.staged.get(to_host)
         tables = self._tables
         pages = host_indices.numel() // tables.page_size
@@ -485,7 +460,6 @@ class StagedPageChunks(PageChunkKernel):
             plan.ring.lanes,
             to_host,
             self._gather_blocks,
-            0 if to_host else self._copies_after(load),
         )
 
 
@@ -589,9 +563,7 @@ class SGLangChunkKernels:
             pages.append(numbers.to(dtype).contiguous())
         return pages[0], pages[1]
 
-    def move(
-        self, prepared, host_indices, device_indices, *, to_host, load=None
-    ) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
         check_transfer_pages(host_indices, device_indices, self._tables.page_size, what)
         host_pages, device_pages = self._page_numbers(host_indices, device_indices)

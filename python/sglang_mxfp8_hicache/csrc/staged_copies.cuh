@@ -17,18 +17,10 @@
 // sides (consecutive host pages) move as one copy, and a chunk's copies are
 // spread over `lanes` streams, so several copy engines share the small ones.
 //
-// Ordering: the kernels run on a stream of the device's greatest priority,
-// the copies on the lanes, joined by events. The kernels start where the
-// caller's stream is, and so do a load's copies, unless the caller names an
-// earlier point of its stream (`since`: where the load's first staged layer
-// group began, so its later groups' copies do not wait for the earlier
-// groups' kernels). A call returns
-// with the caller's stream waiting for everything it issued, so an event
-// recorded on that stream after the call (the controller's completion and
-// per-layer events) covers every byte moved. The priority lets a staging
-// kernel take SMs as soon as the forward pass's running blocks retire, not
-// after every block its kernels have queued: the kernel holds them for
-// microseconds, and the copies do not wait a GEMM's length for it.
+// Ordering: the kernels run on the caller's stream, the copies on the lanes,
+// joined by events; a call returns with the caller's stream waiting for every
+// copy it issued, so an event recorded on that stream after the call (the
+// controller's completion and per-layer events) covers every byte moved.
 // Host token indices are on the CPU (their page starts give the copies'
 // addresses) and are checked here before anything moves, as are device ones
 // on the CPU; device token indices on the GPU are checked by the kernel, which
@@ -52,18 +44,17 @@ inline constexpr uint32_t kSlots = 2;
 inline constexpr uint32_t kMaxLanes = 8;
 inline constexpr int64_t kPieceFields = 3;  // host offset, staged offset, bytes
 
-// The streams of one staging ring, made once per ring and kept for the
-// process: the lanes' and the kernels', and per slot an event on each lane
-// (its copies of the slot are done) and one on the kernels' stream (the
-// kernel that reads or writes the slot is done).
+// The copy side of one staging ring, made once per ring and kept for the
+// process: the lanes' streams, and per slot an event on each lane (its copies
+// of the slot are done) and one on the caller's stream (the kernel that reads
+// or writes the slot is done).
 struct CopyLanes {
   uint32_t lanes = 0;
   uint32_t next_slot = 0;
-  cudaStream_t kernels = {};
   cudaStream_t streams[kMaxLanes] = {};
   cudaEvent_t copied[kSlots][kMaxLanes] = {};
   cudaEvent_t kernel_done[kSlots] = {};
-  cudaEvent_t started = {};  // a call's start on the caller's stream
+  cudaEvent_t started = {};  // a load's start on the caller's stream
   std::mutex mutex;
 };
 
@@ -145,9 +136,6 @@ struct StagedPageChunks {
     RuntimeCheck(lanes >= 1 && lanes <= kMaxLanes, "block-scaled HiCache: 1 to ", kMaxLanes, " copy lanes");
     auto* state = new CopyLanes();  // kept for the process, as the ring's staging is
     state->lanes = static_cast<uint32_t>(lanes);
-    int least = 0, greatest = 0;
-    RuntimeDeviceCheck(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-    RuntimeDeviceCheck(cudaStreamCreateWithPriority(&state->kernels, cudaStreamNonBlocking, greatest));
     for (uint32_t j = 0; j < state->lanes; ++j) {
       RuntimeDeviceCheck(cudaStreamCreateWithFlags(&state->streams[j], cudaStreamNonBlocking));
       for (uint32_t s = 0; s < kSlots; ++s) {
@@ -202,21 +190,18 @@ struct StagedPageChunks {
       char* host_base,
       int64_t host_stride,
       int64_t max_blocks,
-      cudaEvent_t since,
       DLDevice gpu) {
-    using host::RuntimeDeviceCheck;
     const auto num_pages = static_cast<int64_t>(host_pages.size());
     const bool device_by_value = device_tokens == nullptr;
-    const cudaStream_t caller = host::LaunchKernel::resolve_device(gpu);
-    const cudaStream_t kernels = state.kernels;
+    const cudaStream_t stream = host::LaunchKernel::resolve_device(gpu);
     thread_local std::vector<Copy> copies;
     bool used[kSlots] = {};
-    RuntimeDeviceCheck(cudaEventRecord(state.started, caller));
-    RuntimeDeviceCheck(cudaStreamWaitEvent(kernels, state.started, 0));
     if constexpr (!kToHost) {
-      const cudaEvent_t copies_after = since != nullptr ? since : state.started;
+      // A load's copies start where the caller's stream is (after the events
+      // it waits on), as its kernels would.
+      host::RuntimeDeviceCheck(cudaEventRecord(state.started, stream));
       for (uint32_t j = 0; j < state.lanes; ++j) {
-        RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], copies_after, 0));
+        host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.started, 0));
       }
     }
     for (int64_t first = 0; first < num_pages; first += slot_pages) {
@@ -260,52 +245,47 @@ struct StagedPageChunks {
             for (int64_t p = 0; p < n; ++p) {
               params.device_pages[p] = device_pages[first + sub + p];
             }
-            Kernel::template launch<T, kToHost, true, true>(params, max_blocks, kernels);
+            Kernel::template launch<T, kToHost, true, true>(params, max_blocks, stream);
           } else {
             params.device_indices = device_tokens + (first + sub) * shape.page_size;
-            Kernel::template launch<T, kToHost, true, false>(params, max_blocks, kernels);
+            Kernel::template launch<T, kToHost, true, false>(params, max_blocks, stream);
           }
         }
       };
       if constexpr (kToHost) {
         // The slot is free once the lanes' copies out of its last use are done.
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          RuntimeDeviceCheck(cudaStreamWaitEvent(kernels, state.copied[slot][j], 0));
+          host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[slot][j], 0));
         }
         launch_kernel();
-        RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], kernels));
+        host::RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], stream));
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
+          host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
         }
         spread(copies, total, state, true, gpu.device_id);
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
+          host::RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
         }
       } else {
         // The slot is free once the kernel that read its last use is done.
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
+          host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
         }
         spread(copies, total, state, false, gpu.device_id);
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
-          RuntimeDeviceCheck(cudaStreamWaitEvent(kernels, state.copied[slot][j], 0));
+          host::RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
+          host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[slot][j], 0));
         }
         launch_kernel();
-        RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], kernels));
+        host::RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], stream));
       }
     }
-    // The caller's stream waits for the last stage of each slot it used: a
-    // backup's copies (after their kernels), a load's kernels (after their
-    // copies).
-    for (uint32_t s = 0; s < kSlots; ++s) {
-      if (!used[s]) continue;
-      if constexpr (kToHost) {
+    if constexpr (kToHost) {
+      for (uint32_t s = 0; s < kSlots; ++s) {
+        if (!used[s]) continue;
         for (uint32_t j = 0; j < state.lanes; ++j) {
-          RuntimeDeviceCheck(cudaStreamWaitEvent(caller, state.copied[s][j], 0));
+          host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[s][j], 0));
         }
-      } else {
-        RuntimeDeviceCheck(cudaStreamWaitEvent(caller, state.kernel_done[s], 0));
       }
     }
   }
@@ -321,10 +301,7 @@ struct StagedPageChunks {
   // pieces: [n, 3] CPU int64, each (host offset, staged offset, bytes) of a
   //   page (StagedLayout); slot_pages: staged pages per slot, slot 0's from
   //   staged page 0, slot 1's from `second_slot` (StagingRing.slot_pages: each
-  //   slot's pages lie within its own half of the ring, whatever the stride);
-  // since: 0, or a load's copies wait for this cudaEvent_t (recorded on the
-  //   caller's stream where the load's first staged call began) instead of
-  //   for the stream now; a backup's copies follow its kernels.
+  //   slot's pages lie within its own half of the ring, whatever the stride).
   static void transfer(
       const tvm::ffi::TensorView tables,
       const tvm::ffi::TensorView refused,
@@ -342,8 +319,7 @@ struct StagedPageChunks {
       const int64_t host_stride,
       const int64_t lanes_handle,
       const bool to_host,
-      const int64_t max_blocks,
-      const int64_t since) {
+      const int64_t max_blocks) {
     using namespace host;
     const char* what = to_host ? "block-scaled HiCache backup" : "block-scaled HiCache load";
     auto N = SymbolicSize{"indices length"};
@@ -393,7 +369,6 @@ struct StagedPageChunks {
           host_pool,
           host_stride,
           max_blocks,
-          reinterpret_cast<cudaEvent_t>(since),
           tables.device());
     };
     const bool int32_tokens = !device_cpu && device_indices.dtype().bits == 32;
