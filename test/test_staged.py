@@ -353,4 +353,7 @@ def test_pool_says_what_goes_through_staging(make_pools, monkeypatch, caplog):
     monkeypatch.setattr(transfer, "_rings", {})
     make_pools(heads=8, head_dim=128, layers=4, pages=2)
     assert "(1 MiB on this GPU" in caplog.text
-    assert "backups excepted: a page of 1.0 MiB exceeds a staging slot" in caplog.text
+    assert (
+        "backups excepted: a page of 1.0 MiB does not fit a staging slot of 0.2 MiB"
+        in caplog.text
+    )

@@ -530,7 +530,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             slot = max((r.slot_bytes for r in mover.rings if r), default=0)
             said += (
                 f", backups excepted: a page of {self.host_page.span_bytes / 2**20:.1f} "
-                f"MiB exceeds a staging slot of {slot / 2**20:.1f} MiB"
+                f"MiB does not fit a staging slot of {slot / 2**20:.1f} MiB (it "
+                "takes pages of up to two thirds of its size)"
             )
         return said
 
