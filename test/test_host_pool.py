@@ -17,6 +17,7 @@ from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
 )
+from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
 from sglang_mxfp8_hicache.sizing import dense_model, host_plan
 from sglang_mxfp8_hicache.tools.pools import (
     build_device_pool,
@@ -52,8 +53,12 @@ def test_sizing_counts_scales(make_pools):
     ],
 )
 @pytest.mark.parametrize("hicache_size_gb, ratio", [(1, 0.0), (0, 3.0)])
-def test_host_tokens_match_sizing(cpu_kernels, model, tp, hicache_size_gb, ratio):
-    """`size` (the CLI) computes what the real host pool allocates."""
+@pytest.mark.parametrize("layout", SERVED_LAYOUTS)
+def test_host_tokens_match_sizing(
+    cpu_kernels, model, tp, hicache_size_gb, ratio, layout
+):
+    """`size` (the CLI) computes what the real host pool allocates, for every
+    host layout (a ``page_head`` page has no seals)."""
     [pool] = dense_model(**model, tp_size=tp).pools
     device_pool = build_device_pool(
         head_num=pool.kv_heads,
@@ -68,7 +73,7 @@ def test_host_tokens_match_sizing(cpu_kernels, model, tp, hicache_size_gb, ratio
         ratio,
         hicache_size_gb,
         128,
-        "page_first",
+        layout,
         pin_memory=False,
         device_capacity_tokens=device_pool.size,
         start_layer=0,
@@ -79,6 +84,7 @@ def test_host_tokens_match_sizing(cpu_kernels, model, tp, hicache_size_gb, ratio
         device_tokens=device_pool.size,
         hicache_ratio=ratio,
         hicache_size_gb=hicache_size_gb,
+        layout=layout,
     ).pools
     assert host.size_per_token == plan.bytes_per_token
     assert host.size == plan.host_tokens

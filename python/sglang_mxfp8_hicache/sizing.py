@@ -276,11 +276,13 @@ def host_plan(
     ranks_per_node: int = 1,
     max_mamba_cache_size: int | None = None,
     draft_layers: int = 0,
+    layout: str = "page_first",
 ) -> HostPlan:
     """``fmt``'s host tier for ``model`` on one rank, from ``device_tokens`` of
     the full (or only) KV pool; payload and scale bytes from the geometry the
     host pool uses. ``draft_layers``: packed MTP/NextN draft layers, which the
-    host page of the full (or only) pool carries after the target's."""
+    host page of the full (or only) pool carries after the target's.
+    ``layout``: ``--hicache-mem-layout`` (a ``page_head`` page has no seals)."""
     if draft_layers:
         first, *rest = model.pools
         first = msgspec.structs.replace(first, layers=first.layers + draft_layers)
@@ -303,7 +305,11 @@ def host_plan(
                 f"{pool.v_head_dim}, which SGLang's FP4 KV pool cannot hold; use "
                 "--kv-cache-dtype mxfp8"
             )
-    per_token = [_pool_bytes_per_token(pool, fmt, page_size) for pool in model.pools]
+    heads_major = layout == "page_head"
+    per_token = [
+        _pool_bytes_per_token(pool, fmt, page_size, heads_major=heads_major)
+        for pool in model.pools
+    ]
     # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.
     pool_tokens = [
         device_tokens
@@ -384,9 +390,10 @@ def host_plan(
 
 
 def _pool_bytes_per_token(
-    pool: KVPool, fmt: ScaleFormat, page_size: int
+    pool: KVPool, fmt: ScaleFormat, page_size: int, *, heads_major: bool
 ) -> tuple[int, int, int]:
-    """(payload, scales, seals) bytes per token of ``pool``'s host pages."""
+    """(payload, scales, seals) bytes per token of ``pool``'s host pages; a
+    heads-major page has no seals (``HostPage.seal_bytes``)."""
     k, v = (
         ScaleGeometry(
             head_num=pool.kv_heads, head_dim=dim, page_size=page_size, fmt=fmt
@@ -395,4 +402,4 @@ def _pool_bytes_per_token(
     )
     payload = (k.payload_bytes_per_token + v.payload_bytes_per_token) * pool.layers
     scale = (k.bytes_per_token + v.bytes_per_token) * pool.layers
-    return payload, scale, 2 * seal_bytes(page_size) // page_size
+    return payload, scale, 0 if heads_major else 2 * seal_bytes(page_size) // page_size

@@ -27,6 +27,7 @@ import msgspec
 
 from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
+from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
 from sglang_mxfp8_hicache.sizing import (
     PAGE_SIZE,
     SCALED_HEAD_DIMS,
@@ -276,6 +277,7 @@ def cmd_size(args: argparse.Namespace) -> int:
         ranks_per_node=min(args.tp_size, args.gpus_per_node),
         max_mamba_cache_size=args.max_mamba_cache_size,
         draft_layers=args.draft_layers,
+        layout=args.hicache_mem_layout,
     )
     if args.json:
         print(msgspec.json.encode(plan).decode())
@@ -651,6 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--hicache-ratio", **ratio, help="host tokens per device token")
     gb = dict(type=number(int, 0, 1_000_000), metavar="GB", default=0)
     arg("--hicache-size", **gb, help="host GB (1e9 B) per rank; 0: use the ratio")
+    layouts = dict(choices=SERVED_LAYOUTS, default="page_first")
+    arg("--hicache-mem-layout", **layouts, help="page_head: no seals in a page")
     swa = dict(type=number(float, 0, 1, above=True), metavar="R")
     swa["help"] = "hybrid SWA: SWA pool tokens per full pool token"
     arg("--swa-full-tokens-ratio", **swa, default=SWA_FULL_TOKENS_RATIO)

@@ -201,14 +201,11 @@ def host_indices_for(
     page_first's staged write-back (``_move_write_operation``), else on ``device``."""
     from sglang_mxfp8_hicache.plugin import keeps_cpu_host_indices
 
-    if (
-        io_backend == "direct"
-        or keeps_cpu_host_indices(io_backend, host_pool, host_tokens)
-        or (
-            backup
-            and host_pool.layout == "page_first"
-            and getattr(host_pool, "can_use_write_back_jit", False)
-        )
+    staged_write_back = backup and host_pool.layout == "page_first"
+    if staged_write_back and getattr(host_pool, "can_use_write_back_jit", False):
+        return host_tokens
+    if io_backend == "direct" or keeps_cpu_host_indices(
+        io_backend, host_pool, host_tokens
     ):
         return host_tokens
     return host_tokens.to(device)
