@@ -29,10 +29,16 @@ from pathlib import Path
 
 import msgspec
 
-from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat, ScaleGeometry
+from sglang_mxfp8_hicache.geometry import (
+    FORMATS,
+    INTERLEAVED_PAGE_SIZE,
+    MXFP8,
+    ScaleFormat,
+    ScaleGeometry,
+)
 from sglang_mxfp8_hicache.page import seal_bytes
 
-PAGE_SIZE = 128
+PAGE_SIZE = INTERLEAVED_PAGE_SIZE
 """MXFP8's page size, and the default for the others."""
 SMALLEST_SCALE_BLOCK = min(f.sf_block for f in FORMATS.values())
 SCALED_HEAD_DIMS = "a multiple of the scale block: " + ", ".join(

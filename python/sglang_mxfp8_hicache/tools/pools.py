@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+from sglang_mxfp8_hicache.sizing import PAGE_SIZE
+
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
 
-PAGE_SIZE = 128
 IO_BACKEND = "kernel"
 
 
@@ -204,9 +205,8 @@ def host_indices_for(
     staged_write_back = backup and host_pool.layout == "page_first"
     if staged_write_back and getattr(host_pool, "can_use_write_back_jit", False):
         return host_tokens
-    if io_backend == "direct" or keeps_cpu_host_indices(
-        io_backend, host_pool, host_tokens
-    ):
+    ours = keeps_cpu_host_indices(io_backend, host_pool, host_tokens)
+    if io_backend == "direct" or ours:
         return host_tokens
     return host_tokens.to(device)
 
