@@ -106,7 +106,9 @@ def test_each_slot_keeps_to_its_half_of_the_ring(stride):
     and slot 1's in its second: moves of different strides (a load's layer
     groups, pools of other geometries) never share bytes across slots, whose
     reuse the ring orders per slot."""
-    ring = transfer.StagingRing(torch.empty(2 * (10_747_904 + 4096)), lanes=1)
+    ring = transfer.StagingRing(
+        torch.empty(2 * (10_747_904 + 4096), dtype=torch.uint8), lanes=1
+    )
     half = ring.slot_bytes
     pages, second = ring.slot_pages(stride)
     assert pages >= half // stride - 1 and pages >= 1
@@ -199,9 +201,9 @@ def test_round_trip_staged(
 def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, device):
     """Backup, load, a backup of other bytes to the same host pages, load
     again: on one stream, with the same index tensors and no synchronisation
-    between them. Each load restores what the backup just before it saved: a
-    load's copies wait for what came before it on the stream, and its layer
-    groups land in ascending order."""
+    between them. Each load restores what the backup just before it saved (a
+    load's copies wait for what came before it on the stream), and the pages
+    backed up stay as they were."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
     device_pool, host = make_pools(heads=8, head_dim=128, layers=layers, pages=pages)
     ring_of(host, 3)
@@ -222,8 +224,10 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
         for layer in range(layers):
             host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
         restored = [r[pages + 1 : 2 * pages + 1].cpu() for r in rows]
-        for was, now in zip(saved, restored, strict=True):
+        backed_up = [r[1 : pages + 1].cpu() for r in rows]
+        for was, now, source in zip(saved, restored, backed_up, strict=True):
             assert torch.equal(was.cpu(), now)
+            assert torch.equal(was.cpu(), source)
 
 
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
