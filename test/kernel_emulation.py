@@ -352,26 +352,6 @@ class EmulatedKernels:
                         )
                         kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
 
-        def checked(
-            what,
-            tables,
-            refused,
-            host_indices,
-            device_indices,
-            parts,
-            heads,
-            page_size,
-            max_blocks,
-        ):
-            """Both entry points' checks, before anything moves: the shapes of
-            the parts and each side's page numbers."""
-            check_indices(what, host_indices, device_indices, page_size)
-            shapes = check_shape(
-                what, tables, refused, parts, heads, page_size, max_blocks
-            )
-            host_pages = pages_of(host_indices, page_size, what)
-            return shapes, host_pages, pages_of(device_indices, page_size, what)
-
         class Module:
             @staticmethod
             def transfer(
@@ -387,17 +367,12 @@ class EmulatedKernels:
                 max_blocks,
             ) -> None:
                 what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                shapes, host_pages, device_pages = checked(
-                    what,
-                    tables,
-                    refused,
-                    host_indices,
-                    device_indices,
-                    parts,
-                    heads,
-                    page_size,
-                    max_blocks,
+                check_indices(what, host_indices, device_indices, page_size)
+                shapes = check_shape(
+                    what, tables, refused, parts, heads, page_size, max_blocks
                 )
+                host_pages = pages_of(host_indices, page_size, what)
+                device_pages = pages_of(device_indices, page_size, what)
                 for _ in range(0, len(device_pages), transfer_launch_pages):
                     kernels.calls.append(("page_chunks", vector))
                 move_chunks(
@@ -451,17 +426,12 @@ class EmulatedKernels:
                     or not lanes
                 ):
                     raise RuntimeError(f"{what}: no staging ring")
-                shapes, host_pages, device_pages = checked(
-                    what,
-                    tables,
-                    refused,
-                    host_indices,
-                    device_indices,
-                    parts,
-                    heads,
-                    page_size,
-                    max_blocks,
+                check_indices(what, host_indices, device_indices, page_size)
+                shapes = check_shape(
+                    what, tables, refused, parts, heads, page_size, max_blocks
                 )
+                host_pages = pages_of(host_indices, page_size, what)
+                device_pages = pages_of(device_indices, page_size, what)
                 for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
                     kernels.calls.append(("staged", vector))
                     hosts = host_pages[first : first + slot_pages]
