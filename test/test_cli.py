@@ -170,7 +170,12 @@ BAD_INPUTS = [
         "--config",
         "missing.json",
     ),
-    bad("config_is_directory", size(config=config_text(None)), "Is a directory"),
+    bad(
+        "config_is_directory",
+        size(config=config_text(None)),
+        "config.json/config.json",
+        "No such file",
+    ),
     bad(
         "malformed_json",
         size(config=config_text('{"num_hidden_layers": 32,')),

@@ -79,6 +79,13 @@ def test_mamba_hybrid_has_only_full_attention_layers(tmp_path):
     assert model.mamba_state_bytes > 0
 
 
+def test_config_file_of_any_name_reads_as_its_directory(tmp_path):
+    path = _config_dir(tmp_path, "GptOssConfig", "GptOssForCausalLM")
+    renamed = tmp_path / "gpt-oss.json"
+    renamed.write_bytes((path / "config.json").read_bytes())
+    assert read_model(renamed, tp_size=2) == read_model(path, tp_size=2)
+
+
 def test_dense_model_and_mla_refused(tmp_path):
     dense = _config_dir(tmp_path, "LlamaConfig", "LlamaForCausalLM")
     [pool] = read_model(dense, tp_size=8).pools

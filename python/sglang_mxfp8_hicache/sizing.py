@@ -24,6 +24,8 @@ plus one padding page. The tests check the figures against pools SGLang builds.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -117,10 +119,11 @@ def read_model(
     swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO,
 ) -> ModelKV:
     """The KV pools SGLang builds for the model at ``path`` (a model directory
-    or its ``config.json``), read through SGLang's ``ModelConfig``."""
+    or a JSON config file of any name), read through SGLang's ``ModelConfig``,
+    which reads a directory's ``config.json``: a file of another name is read
+    from a temporary directory that holds it under that name."""
     path = Path(path)
-    model_dir = path.parent if path.name == "config.json" else path
-    config_file = model_dir / "config.json"
+    config_file = path if path.is_file() else path / "config.json"
     try:
         config = json.loads(config_file.read_bytes())
     except OSError as exc:
@@ -132,7 +135,13 @@ def read_model(
             f"{config_file}: expected a JSON object, got a {type(config).__name__}"
         )
     try:
-        return _read_model_config(model_dir, tp_size, swa_full_tokens_ratio)
+        if config_file.name == "config.json":
+            return _read_model_config(
+                config_file.parent, tp_size, swa_full_tokens_ratio
+            )
+        with tempfile.TemporaryDirectory() as model_dir:
+            shutil.copyfile(config_file, Path(model_dir) / "config.json")
+            return _read_model_config(Path(model_dir), tp_size, swa_full_tokens_ratio)
     except SizingError as exc:
         raise SizingError(f"{config_file}: {exc}") from None
     except Exception as exc:  # SGLang's and transformers' own complaints

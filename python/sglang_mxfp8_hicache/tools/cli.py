@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     arg("--kv-cache-dtype", choices=list(FORMATS), default="mxfp8", help="the format")
     arg("--page-size", **count, default=PAGE_SIZE, help="tokens per page")
-    arg("--config", metavar="PATH", help="the model's directory or config.json")
+    arg("--config", metavar="PATH", help="a model directory or any JSON config file")
     arg("--layers", **count, help="num_hidden_layers")
     arg("--kv-heads", **count, help="num_key_value_heads")
     arg("--head-dim", type=head_dim, metavar="N", help=SCALED_HEAD_DIMS)
