@@ -122,6 +122,34 @@ def test_size_from_hf_config(tmp_path, capsys):
     assert plan["source"] == "LlamaForCausalLM"
 
 
+@pytest.mark.parametrize(
+    ("flags", "unused"),
+    [
+        (["--swa-full-tokens-ratio", "0.5"], ["--swa-full-tokens-ratio"]),
+        (["--max-mamba-cache-size", "64"], ["--max-mamba-cache-size"]),
+        (["--hicache-size", "10", "--hicache-ratio", "3"], ["--hicache-ratio"]),
+        (["--hicache-ratio", "3"], []),
+    ],
+)
+def test_size_says_which_flags_do_not_apply(capsys, flags, unused):
+    assert main(size(*flags)) == 0
+    notes = capsys.readouterr().err.splitlines()
+    assert [n.split()[1] for n in notes] == unused, notes
+    assert all(n.startswith("note: ") and "is not used: " in n for n in notes)
+
+
+def test_size_names_whose_host_memory_it_compares(capsys):
+    """The budget is in the JSON, with the machine it is of: this one, or the
+    server's as --host-memory-gb gives it (less SGLang's 10 GiB reserve)."""
+    assert main(size()) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["host_budget_of"].startswith("this machine's")
+    assert main(size("--host-memory-gb", "1000", "--tp-size", "8")) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["host_budget_of"] == "the server's, by --host-memory-gb"
+    assert plan["host_budget_per_rank"] == (10**12 - (10 << 30)) // 8
+
+
 def config_text(text: str | None) -> Callable[[Path], str]:
     """A --config argument made in the test's tmp_path: a file holding ``text``,
     or a directory where ``text`` is None."""
@@ -210,6 +238,17 @@ BAD_INPUTS = [
         "num_key_value_heads",
     ),
     bad(
+        "kv_heads_0_in_config",
+        size(config=config(num_key_value_heads=0)),
+        "num_key_value_heads must be a positive integer, got 0",
+    ),
+    bad(
+        "kv_heads_negative_in_config",
+        size(config=config(num_key_value_heads=-8)),
+        "num_key_value_heads must be a positive integer, got -8",
+    ),
+    bad("layers_in_config_huge", size(config=config(num_hidden_layers=99999)), "99999"),
+    bad(
         "mla_config",
         size(config=config_text(json.dumps(DEEPSEEK_V3))),
         "MLA",
@@ -219,6 +258,14 @@ BAD_INPUTS = [
     bad("layers_0", size(layers="0"), "--layers", "0"),
     bad("layers_negative", size(layers="-32"), "--layers", "-32"),
     bad("layers_not_int", size(layers="1.5"), "--layers", "1.5"),
+    bad("layers_huge", size(layers="99999999999999"), "layers", "over 4096"),
+    bad("kv_heads_huge", size(kv_heads="99999"), "kv_heads", "over 4096"),
+    bad(
+        "host_tier_past_any_server",
+        size("--hicache-ratio", "1000", device_tokens=str(1 << 40)),
+        "TiB of host tier per node",
+        "--hicache-ratio",
+    ),
     bad("kv_heads_0", size(kv_heads="0"), "--kv-heads", "0"),
     bad("kv_heads_negative", size(kv_heads="-8"), "--kv-heads", "-8"),
     bad("tp_size_0", size("--tp-size", "0"), "--tp-size", "0"),

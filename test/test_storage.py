@@ -19,6 +19,7 @@ fetch must keep its bytes. Test ids name the backend and the planted fault.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
 import os
 import signal
@@ -391,6 +392,76 @@ def test_round_trip(device, make_pools, open_io, pages):
     assert stored.io.hit_query(stored.tokens) == stored.hashes
     assert stored.fetch() == pages
     stored.check(pages)
+
+
+@on_cpu
+def test_guard_sets_no_attribute_of_the_backend(device, make_pools, open_io):
+    """The backend SGLang built stays as it built it: no attribute in its
+    ``__dict__`` comes from this package, and none of its methods is replaced;
+    the guard in front of it still passes for its class."""
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    stored = Stored(open_io(host), pages=2, seed=3)
+    assert stored.fetch() == 2
+    guard = stored.io.storage_backend
+    backend = storage.sglang_backend(guard)
+    assert type(guard) is storage.GuardedStorage and backend is not guard
+    assert isinstance(guard, type(backend))
+    ours = {
+        name: value
+        for name, value in vars(backend).items()
+        if name in storage.KEYED_METHODS
+        or name.startswith("_sglang_mxfp8")
+        or inspect.isroutine(value)
+        and getattr(value, "__module__", "").startswith("sglang_mxfp8_hicache")
+    }
+    assert not ours, f"{type(backend).__name__} has attributes of ours: {ours}"
+
+
+def test_every_private_sglang_name_the_guards_read_exists():
+    """A release that renames one of them fails here, naming it."""
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheFile,
+        HiCacheStorageFailureInjector,
+    )
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
+        MooncakeStore,
+    )
+    from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
+
+    classes = {
+        c.__name__: c
+        for c in (
+            HiCacheFile,
+            HiCacheNixl,
+            MooncakeStore,
+            HiCacheStorageFailureInjector,
+        )
+    }
+    for dotted in storage.SGLANG_PRIVATE_NAMES:
+        owner, name = dotted.split(".")
+        cls = classes[owner]
+        found = hasattr(cls, name) or name in getattr(cls, "__annotations__", {})
+        assert found, f"SGLang's {owner} has no {name} any more: {dotted} moved"
+
+
+@on_cpu
+@pytest.mark.parametrize("backend", ["hf3fs", "nixl"], indirect=True)
+def test_sglang_failure_injector_wraps_the_guard(
+    device, make_pools, open_io, monkeypatch
+):
+    """With SGLang's test injector on, it is built around the guard: what it
+    fails, the guard sees as a backend's failure. (Backends with a ``close``:
+    the injector's calls it whether the backend has one or not.)"""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0")
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    stored = Stored(open_io(host), pages=2, seed=4)
+    injector = stored.io.storage_backend
+    assert isinstance(injector, HiCacheStorageFailureInjector)
+    assert type(injector._backend) is storage.GuardedStorage
+    assert stored.fetch() == 2
+    stored.check(2)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp4_mx_block16", "nvfp4"])

@@ -48,6 +48,14 @@ SCALED_HEAD_DIMS = "a multiple of the scale block: " + ", ".join(
 )
 SWA_FULL_TOKENS_RATIO = 0.8
 """SGLang's ``--swa-full-tokens-ratio`` when it is not given."""
+HICACHE_RATIO = 2.0
+"""SGLang's ``--hicache-ratio`` when it is not given."""
+MODEL_BOUNDS = {"layers": 4096, "kv_heads": 4096, "head_dim": 8192}
+"""The most a pool's count can be: released models have under 200 layers, 128
+KV heads and head dims of 512; past ten times that a count is a typo."""
+MAX_NODE_HOST_BYTES = 64 << 40
+"""A node's host tier above 64 TiB is more RAM than any one server holds (the
+largest hold 32 TB): the device tokens or the ratio are a typo."""
 
 
 class SizingError(ValueError):
@@ -170,6 +178,10 @@ def _read_model_config(
                 "an MLA model (latent KV, as DeepSeek-V3): SGLang gives it an MLA "
                 "KV pool, and block-scaled HiCache serves MHA pools only"
             )
+        for name in ("num_key_value_heads", "num_attention_heads"):
+            value = getattr(model.hf_text_config, name, None)
+            if value is not None:  # SGLang reads 0 or fewer heads as 1
+                _positive_int(value, name)
         kv_heads_per_rank(model.get_num_kv_heads(1), tp_size)
         heads = model.get_num_kv_heads(tp_size)
         arch = (model.hf_config.architectures or ["?"])[0]
@@ -261,6 +273,11 @@ class HostPlan(msgspec.Struct, frozen=True):
     mamba_state_bytes: int
     """Per request slot and rank; SGLang's Mamba host pool holds these apart."""
     warnings: tuple[str, ...]
+    host_budget_per_rank: int | None = None
+    """SGLang's host budget per rank (available memory less its reserve, split
+    over the node's ranks) of the machine ``host_budget_of`` names; None where
+    it is not known."""
+    host_budget_of: str = ""
 
 
 def host_tokens(
@@ -283,7 +300,7 @@ def host_plan(
     model: ModelKV,
     *,
     device_tokens: int,
-    hicache_ratio: float = 2.0,
+    hicache_ratio: float = HICACHE_RATIO,
     hicache_size_gb: int = 0,
     fmt: ScaleFormat = MXFP8,
     page_size: int = PAGE_SIZE,
@@ -307,6 +324,14 @@ def host_plan(
             f"{fmt.name} HiCache needs --page-size {PAGE_SIZE}, got {page_size}"
         )
     for pool in model.pools:
+        counts = {"layers": pool.layers, "kv_heads": pool.kv_heads}
+        counts["head_dim"] = max(pool.head_dim, pool.v_head_dim)
+        for name, value in counts.items():
+            if value > MODEL_BOUNDS[name]:
+                raise SizingError(
+                    f"{pool.name} pool: {name} {value} is over {MODEL_BOUNDS[name]}, "
+                    "ten times what any released model has: a typo?"
+                )
         for dim in (pool.head_dim, pool.v_head_dim):
             if dim % fmt.sf_block:
                 raise SizingError(
@@ -389,6 +414,13 @@ def host_plan(
         for p in plans
         if p.host_tokens <= p.device_tokens
     )
+    node_bytes = sum(p.host_bytes for p in plans) * ranks_per_node
+    if node_bytes > MAX_NODE_HOST_BYTES:
+        raise SizingError(
+            f"{node_bytes / 2**40:.0f} TiB of host tier per node is more RAM than "
+            f"any server holds (the bound is {MAX_NODE_HOST_BYTES >> 40} TiB): "
+            "check the device tokens, --hicache-ratio and --hicache-size"
+        )
     return HostPlan(
         kv_cache_dtype=fmt.name,
         page_size=page_size,
@@ -397,7 +429,7 @@ def host_plan(
         source=model.source,
         pools=tuple(plans),
         host_bytes=sum(p.host_bytes for p in plans),
-        host_bytes_per_node=sum(p.host_bytes for p in plans) * ranks_per_node,
+        host_bytes_per_node=node_bytes,
         host_bytes_without_scales=sum(p.host_bytes_without_scales for p in plans),
         mamba_state_bytes=model.mamba_state_bytes,
         warnings=warnings,

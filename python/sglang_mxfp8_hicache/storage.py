@@ -10,7 +10,8 @@ pool of ours it
 
 * refuses, by name and before it is built, a backend that would move the
   payload without the scales;
-* guards the read of the backend it builds: a stored page whose size is not
+* returns the backend SGLang built inside a :class:`GuardedStorage`, which
+  guards its reads and writes and sets nothing on it: a stored page whose size is not
   this format's, or that misses a part, is a miss, logged once per batch, and
   none of its bytes, nor those of the pages after it in the batch, reach the
   host pool. These backends do not do that alone: ``HiCacheFile.get`` reads a
@@ -35,8 +36,10 @@ Every other pool's backend is left to SGLang unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -101,11 +104,6 @@ REFUSED_STORAGE_BACKENDS: dict[str, str] = {
 
 TESTED_MOONCAKE = "0.3.13.post1"
 
-GUARDED = "_sglang_mxfp8_hicache_guarded"
-"""Set on a backend instance once its methods are wrapped: keys must take the
-prefix once, and pages their seal once."""
-
-
 SEALED_BACKENDS = ("dynamic", "hf3fs", "nixl")
 """Served backends whose reads are checked by the pages' seals (``seal.py``):
 they report no object sizes (``dynamic``), read fixed slots whatever was
@@ -169,6 +167,20 @@ def storage_refusal(
     )
 
 
+SGLANG_PRIVATE_NAMES: dict[str, str] = {
+    "HiCacheFile._get_suffixed_key": "where a page's file is (no public name gives it)",
+    "HiCacheNixl._get_suffixed_key": "where a flat page's file is",
+    "HiCacheNixl._get_key_list_from_meta": "where a zero-copy page's part files are",
+    "MooncakeStore._tag_keys": "the keys as Mooncake stores them (model tag added)",
+    "MooncakeStore._batch_preprocess": "a page's object keys and part sizes",
+    "HiCacheStorageFailureInjector._backend": "the backend SGLang's test injector wraps",
+    "HiCacheStorageFailureInjector._random_delay_limit": "its delay, for its rebuild",
+    "HiCacheStorageFailureInjector._failure_prob": "its failure rate, for its rebuild",
+}
+"""Every private name of SGLang the guards read, with why: a release that
+renames one fails ``test_storage``'s check of this table, naming it."""
+
+
 def guard_storage_backend(
     original: Callable[..., Any],
     factory: type,
@@ -181,6 +193,9 @@ def guard_storage_backend(
 
     SGLang hands the factory the controller's ``storage_host_pool``, the anchor
     pool itself (never a group): a backend is ours to guard when that is ours.
+    The backend SGLang built is returned inside a :class:`GuardedStorage`;
+    SGLang's test failure injector, when its variables are set, is built again
+    around the guard, so its failures reach the guard as a backend's would.
     """
     if not isinstance(getattr(mem_pool_host, "host_page", None), HostPage):
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
@@ -198,15 +213,21 @@ def guard_storage_backend(
         raise BlockScaledHiCacheConfigError(
             f"{pool.pool_label}: {name} HiCache: {reason}"
         )
-    backend = original(factory, backend_name, storage_config, pool, **kwargs)
-    inner = getattr(backend, "_backend", backend)
-    if getattr(inner, GUARDED, False):  # the hook ran twice around one build
-        return backend
-    setattr(inner, GUARDED, True)
-    if backend_name in SIZE_CHECKS:
-        _guard_reads(backend, backend_name)
-    if backend_name in SEALED_BACKENDS:
-        _guard_sealed(backend, pool, storage_config, backend_name)
+    built = original(factory, backend_name, storage_config, pool, **kwargs)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    injector = built if isinstance(built, HiCacheStorageFailureInjector) else None
+    backend = injector._backend if injector is not None else built
+    if isinstance(backend, GuardedStorage):  # the hook ran twice around one build
+        return built
+    if backend_name == "mooncake" and not hasattr(
+        backend.store, "batch_get_replica_desc"
+    ):
+        raise BlockScaledHiCacheConfigError(
+            "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
+            f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
+        )
+    guarded = GuardedStorage(backend, pool, backend_name, storage_config)
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
         "another size%s is a miss.",
@@ -217,22 +238,9 @@ def guard_storage_backend(
         pool.storage_format_tag,
         " or seal" if backend_name in SEALED_BACKENDS else "",
     )
-    return backend
-
-
-def _guard_reads(backend: Any, backend_name: str) -> None:
-    """Wrap the read the controller calls on this backend instance (the inner
-    one under SGLang's test failure injector) with its size check."""
-    method, check = SIZE_CHECKS[backend_name]
-    inner = getattr(backend, "_backend", backend)
-    if backend_name == "mooncake" and not hasattr(
-        inner.store, "batch_get_replica_desc"
-    ):
-        raise BlockScaledHiCacheConfigError(
-            "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
-            f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
-        )
-    setattr(inner, method, _bind(check, getattr(inner, method), inner))
+    if injector is None:
+        return guarded
+    return type(injector)(guarded, injector._random_delay_limit, injector._failure_prob)
 
 
 KEYED_METHODS = (
@@ -247,30 +255,84 @@ with page keys. Only these take the prefix: a class's own ``exists``, ``get``
 and ``set`` are what its batch methods may call with the keys they were given."""
 
 
-def _guard_sealed(
-    backend: Any, pool: Any, storage_config: Any, backend_name: str
-) -> None:
-    """The backend's pages carry seals: written on the way to L3, checked on
-    the way back, through whichever page functions SGLang's controller uses
-    with it; where its keys lack the model name, they carry the pool's format
-    tag as a prefix."""
-    inner = getattr(backend, "_backend", backend)
-    if backend_name in KEY_PREFIXED_BACKENDS:
-        prefix = f"{pool.storage_format_tag}_"
-        for name in KEYED_METHODS:
-            method = getattr(inner, name, None)
-            if method is not None:
-                setattr(inner, name, _with_key_prefix(method, prefix))
-    v1 = backend_name in ZERO_COPY_BACKENDS or bool(
-        (storage_config.extra_config or {}).get("interface_v1", 0)
-    )
-    checks = (
-        {"batch_set_v1": _sealed_set_v1, "batch_get_v1": _checked_get_v1}
-        if v1
-        else {"batch_set": _sealed_set, "batch_get": _checked_get}
-    )
-    for name, check in checks.items():
-        setattr(inner, name, _bind(check, getattr(inner, name), pool))
+class GuardedStorage:
+    """SGLang's L3 backend for a pool of ours, as its cache controller calls it:
+    the reads and writes of :data:`KEYED_METHODS` go through this pool's
+    guards (key prefix, size check, seals), the backend itself is left as
+    SGLang built it.
+
+    Every other method is the backend's own, run with the guard as its
+    instance, so a backend method that calls a guarded one (``batch_exists_v2``
+    calls ``batch_exists``) calls it guarded, as the controller would; every
+    other attribute, read or written, is the backend's. ``__class__`` is the
+    backend's, for SGLang's ``isinstance(..., MooncakeStore)``.
+    """
+
+    def __init__(
+        self, backend: Any, pool: Any, backend_name: str, storage_config: Any
+    ) -> None:
+        guards: dict[str, Callable[..., Any]] = {}
+
+        def current(name: str) -> Callable[..., Any]:
+            return guards.get(name) or self._own(name)
+
+        def guard(name: str, check: Callable[..., Any], context: Any) -> None:
+            guards[name] = _bind(check, current(name), context)
+
+        object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_guards", guards)
+        if backend_name in SIZE_CHECKS:
+            method, check = SIZE_CHECKS[backend_name]
+            guard(method, check, backend)
+        if backend_name in KEY_PREFIXED_BACKENDS:
+            prefix = f"{pool.storage_format_tag}_"
+            for name in KEYED_METHODS:
+                if hasattr(backend, name):
+                    guards[name] = _with_key_prefix(current(name), prefix)
+        if backend_name in SEALED_BACKENDS:
+            v1 = backend_name in ZERO_COPY_BACKENDS or bool(
+                (storage_config.extra_config or {}).get("interface_v1", 0)
+            )
+            if v1:
+                guard("batch_set_v1", _sealed_set_v1, pool)
+                guard("batch_get_v1", _checked_get_v1, pool)
+            else:
+                guard("batch_set", _sealed_set, pool)
+                guard("batch_get", _checked_get, pool)
+
+    def _own(self, name: str) -> Any:
+        """The backend's ``name``; a method of its class bound to the guard."""
+        backend = object.__getattribute__(self, "_backend")
+        attr = inspect.getattr_static(backend, name, None)
+        own_attrs = getattr(backend, "__dict__", {})
+        if isinstance(attr, types.FunctionType) and name not in own_attrs:
+            return types.MethodType(attr, self)
+        return getattr(backend, name)
+
+    def __getattr__(self, name: str) -> Any:
+        guards = object.__getattribute__(self, "_guards")
+        return guards[name] if name in guards else self._own(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._backend, name, value)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        return type(self._backend)
+
+    def __repr__(self) -> str:
+        return f"GuardedStorage({self._backend!r})"
+
+
+def sglang_backend(storage_backend: Any) -> Any:
+    """The backend SGLang built, under our guard and SGLang's test injector."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    while type(storage_backend) is GuardedStorage or isinstance(
+        storage_backend, HiCacheStorageFailureInjector
+    ):
+        storage_backend = storage_backend._backend
+    return storage_backend
 
 
 def _bind(check: Callable[..., Any], method: Callable[..., Any], context: Any):

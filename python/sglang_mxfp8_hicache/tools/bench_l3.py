@@ -131,9 +131,9 @@ def _remove(
     or a Mooncake store may be shared. Mooncake's removes are forced, since a
     get leaves a lease (10 s by default) during which a plain remove fails.
     ``strict``: raise if Mooncake keeps an object (not after a failed put)."""
-    backend = getattr(io.storage_backend, "_backend", io.storage_backend)
+    backend = storage.sglang_backend(io.storage_backend)
     if io.backend_name == "hf3fs":  # frees the slots of the pages' parts
-        if getattr(backend, storage.GUARDED, False):
+        if backend is not io.storage_backend:
             tag = io.storage_host_pool.storage_format_tag
             hashes = [f"{tag}_{key}" for key in hashes]
         if backend.mha_zero_copy:

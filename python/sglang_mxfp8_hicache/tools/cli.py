@@ -29,6 +29,8 @@ from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
 from sglang_mxfp8_hicache.sizing import (
+    HICACHE_RATIO,
+    MAX_NODE_HOST_BYTES,
     PAGE_SIZE,
     SCALED_HEAD_DIMS,
     SMALLEST_SCALE_BLOCK,
@@ -247,7 +249,8 @@ def _model(args: argparse.Namespace) -> ModelKV:
             return read_model(
                 args.config,
                 tp_size=args.tp_size,
-                swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+                swa_full_tokens_ratio=args.swa_full_tokens_ratio
+                or SWA_FULL_TOKENS_RATIO,
             )
         except SizingError as exc:
             raise UsageError(f"--config {exc}") from None
@@ -261,15 +264,20 @@ def _model(args: argparse.Namespace) -> ModelKV:
     )
 
 
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
 def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB ({n / 2**30:.3f} GiB)"
 
 
 def cmd_size(args: argparse.Namespace) -> int:
+    model = _model(args)
     plan = host_plan(
-        _model(args),
+        model,
         device_tokens=args.device_tokens,
-        hicache_ratio=args.hicache_ratio,
+        hicache_ratio=_given(args.hicache_ratio, HICACHE_RATIO),
         hicache_size_gb=args.hicache_size,
         fmt=FORMATS[args.kv_cache_dtype],
         page_size=args.page_size,
@@ -278,6 +286,12 @@ def cmd_size(args: argparse.Namespace) -> int:
         max_mamba_cache_size=args.max_mamba_cache_size,
         draft_layers=args.draft_layers,
         layout=args.hicache_mem_layout,
+    )
+    for note in _flags_that_do_not_apply(args, model):
+        print(f"note: {note}", file=sys.stderr)
+    budget, whose = _host_budget_per_rank(plan.ranks_per_node, args.host_memory_gb)
+    plan = msgspec.structs.replace(
+        plan, host_budget_per_rank=budget, host_budget_of=whose
     )
     if args.json:
         print(msgspec.json.encode(plan).decode())
@@ -290,7 +304,8 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
     sizing = (
         f"--hicache-size {args.hicache_size} GB per rank"
         if args.hicache_size > 0
-        else f"--hicache-ratio {args.hicache_ratio} x {args.device_tokens} device tokens"
+        else f"--hicache-ratio {_given(args.hicache_ratio, HICACHE_RATIO)} x "
+        f"{args.device_tokens} device tokens"
     )
     print(
         f"{plan.source}: TP {plan.tp_size}, --kv-cache-dtype {plan.kv_cache_dtype}, "
@@ -328,9 +343,9 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
             f"Mamba state: {plan.mamba_state_bytes} B per request slot per rank, "
             "in SGLang's own Mamba host pool beside these"
         )
-    budget = _host_budget_per_rank(plan.ranks_per_node)
+    budget = plan.host_budget_per_rank
     if budget is not None:
-        print(f"SGLang's host budget per rank on this machine: {_gb(budget)}")
+        print(f"SGLang's host budget per rank ({plan.host_budget_of}): {_gb(budget)}")
         if plan.host_bytes > budget:
             print(
                 "warning: SGLang refuses a host pool over its budget when it allocates"
@@ -339,16 +354,40 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
         print(f"warning: {warning}")
 
 
-def _host_budget_per_rank(ranks: int) -> int | None:
-    """SGLang's ``host_memory_budget_bytes`` here for ``ranks`` ranks on a node:
-    the available memory (cgroup limits included) less its reserve, split."""
+def _host_budget_per_rank(ranks: int, host_memory_gb: float | None):
+    """SGLang's ``host_memory_budget_bytes`` for ``ranks`` ranks on a node, and
+    whose memory it is: the server's as ``--host-memory-gb`` gives it, else
+    this machine's available memory (cgroup limits included); less SGLang's
+    reserve, split."""
     try:
-        host_memory = _import_quietly("sglang.srt.mem_cache.host_memory")
         reserve = _import_quietly("sglang.srt.mem_cache.pool_host.base")
-        free = host_memory.available_host_memory_bytes(allow_cgroup_fallback=True)
-        return max(free - reserve.HICACHE_HOST_MEMORY_RESERVE_BYTES, 0) // ranks
+        if host_memory_gb is not None:
+            free, whose = int(host_memory_gb * 1e9), "the server's, by --host-memory-gb"
+        else:
+            host_memory = _import_quietly("sglang.srt.mem_cache.host_memory")
+            free = host_memory.available_host_memory_bytes(allow_cgroup_fallback=True)
+            whose = "this machine's; --host-memory-gb gives the server's"
+        budget = max(free - reserve.HICACHE_HOST_MEMORY_RESERVE_BYTES, 0) // ranks
+        return budget, whose
     except Exception:  # sizing still answers where SGLang cannot tell
-        return None
+        return None, ""
+
+
+def _flags_that_do_not_apply(args: argparse.Namespace, model: ModelKV) -> list[str]:
+    """One line per flag given that the model or the other flags leave unused."""
+    unused = {
+        "--swa-full-tokens-ratio": args.swa_full_tokens_ratio is not None
+        and all(p.token_ratio == 1.0 for p in model.pools),
+        "--max-mamba-cache-size": args.max_mamba_cache_size is not None
+        and not (model.mamba_state_bytes and args.hicache_size > 0),
+        "--hicache-ratio": args.hicache_ratio is not None and args.hicache_size > 0,
+    }
+    why = {
+        "--swa-full-tokens-ratio": "the model has no sliding-window pool",
+        "--max-mamba-cache-size": "it shares --hicache-size with a Mamba state pool",
+        "--hicache-ratio": "--hicache-size sets the host tier",
+    }
+    return [f"{flag} is not used: {why[flag]}" for flag, yes in unused.items() if yes]
 
 
 # -- bench ----------------------------------------------------------------------
@@ -649,19 +688,26 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--tp-size", **count, default=1, help="tensor parallel ranks")
     tokens = dict(type=number(int, 1, 1 << 40), metavar="N", required=True)
     arg("--device-tokens", **tokens, help="the device (full) pool's tokens")
-    ratio = dict(type=number(float, 0, 1000), metavar="R", default=2.0)
-    arg("--hicache-ratio", **ratio, help="host tokens per device token")
+    ratio = dict(type=number(float, 0, 1000), metavar="R")
+    arg(
+        "--hicache-ratio",
+        **ratio,
+        help=f"host tokens per device token ({HICACHE_RATIO})",
+    )
     gb = dict(type=number(int, 0, 1_000_000), metavar="GB", default=0)
     arg("--hicache-size", **gb, help="host GB (1e9 B) per rank; 0: use the ratio")
     layouts = dict(choices=SERVED_LAYOUTS, default="page_first")
     arg("--hicache-mem-layout", **layouts, help="page_head: no seals in a page")
     swa = dict(type=number(float, 0, 1, above=True), metavar="R")
     swa["help"] = "hybrid SWA: SWA pool tokens per full pool token"
-    arg("--swa-full-tokens-ratio", **swa, default=SWA_FULL_TOKENS_RATIO)
+    swa["help"] += f" (default: {SWA_FULL_TOKENS_RATIO})"
+    arg("--swa-full-tokens-ratio", **swa)
     arg("--max-mamba-cache-size", **count, help="Mamba slots (with --hicache-size)")
     drafts = dict(type=non_negative_int, metavar="N", default=0)
     arg("--draft-layers", **drafts, help="packed MTP/NextN draft layers")
     arg("--gpus-per-node", **count, default=8, help="ranks on one host")
+    memory = dict(type=number(float, 0, MAX_NODE_HOST_BYTES / 1e9), metavar="GB")
+    arg("--host-memory-gb", **memory, help="the server's free RAM (default: here)")
     arg("--json", **switch, help="print the plan as JSON")
 
     arg = command(
