@@ -711,6 +711,19 @@ def test_bench_plot_from_json(tmp_path, capsys):
     assert code == 2 and "--plot and --from go together" in err
 
 
+@pytest.mark.parametrize(
+    ("runs", "panel_rows"), [("mxfp8", 2), ("direct-page_head", 1)]
+)
+def test_bench_plot_draws_only_panels_with_data(tmp_path, capsys, runs, panel_rows):
+    """A run without payload-only cells (direct, page_head) gets no empty
+    "ours / payload" panels: the figure is one row of panels shorter."""
+    source = Path(__file__).parent.parent / "docs" / "data" / f"bench-h200-{runs}.json"
+    out = tmp_path / "plot.png"
+    assert run_cli(["bench", "--plot", str(out), "--from", str(source)], capsys)[0] == 0
+    height = int.from_bytes(out.read_bytes()[20:24], "big")  # the PNG's IHDR
+    assert round(height / (3.75 * 110)) == panel_rows
+
+
 @pytest.mark.parametrize("content", ["{}", "truncated", "l3"])
 def test_bench_plot_of_other_json_is_one_line(tmp_path, capsys, content):
     """``bench --plot --from`` a file that is not an L2 bench run (an L3

@@ -515,16 +515,30 @@ def plot(json_paths: Sequence[str], out: str) -> None:
             raise ValueError(
                 f"{path}: not the JSON of an L2 bench run ({exc})"
             ) from None
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+
+    def ratios(direction: str, to: str) -> list[tuple[object, float]]:
+        return [
+            (r, ratio)
+            for r in rows
+            if r.direction == direction and not r.beside
+            if (ratio := r.ratio("ours", to)) is not None
+        ]
+
+    # A reference no run timed (payload-only is not in every setup) gets no panel.
+    drawn = [
+        to for to in ("payload", "raw") if ratios("backup", to) + ratios("load", to)
+    ]
+    if not drawn:
+        raise ValueError(f"{', '.join(json_paths)}: no timed cells of ours to draw")
+    height = 3.75 * len(drawn)
+    fig, axes = plt.subplots(len(drawn), 2, figsize=(11, height), squeeze=False)
     colors = plt.cm.tab20.colors
     for col, direction in enumerate(("backup", "load")):
-        for row_index, to in enumerate(("payload", "raw")):
+        for row_index, to in enumerate(drawn):
             ax = axes[row_index][col]
             lines: dict[tuple[str, str], list[tuple[int, float]]] = {}
-            for r in rows:
-                ratio = r.ratio("ours", to)
-                if r.direction == direction and ratio is not None and not r.beside:
-                    lines.setdefault((r.setup, r.geometry), []).append((r.pages, ratio))
+            for r, ratio in ratios(direction, to):
+                lines.setdefault((r.setup, r.geometry), []).append((r.pages, ratio))
             for n, ((setup, geometry), points) in enumerate(sorted(lines.items())):
                 points.sort()
                 ax.plot(
