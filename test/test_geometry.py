@@ -168,7 +168,7 @@ def test_fp4_host_plan_matches_the_device_cell(fmt):
 
 def test_host_plan_refuses_what_the_format_cannot_serve():
     model = dict(layers=2, kv_heads=8, head_dim=128)
-    with pytest.raises(SizingError, match="mxfp8 HiCache needs --page-size 128"):
+    with pytest.raises(SizingError, match="set --page-size 128"):
         pool_plan(model, 1, device_tokens=1, page_size=64)
     with pytest.raises(SizingError, match="multiple of 32"):
         pool_plan(

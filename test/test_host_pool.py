@@ -6,6 +6,8 @@ Transfers are in ``test_transfers.py``. The CPU tests use the kernel emulations
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sglang.srt.mem_cache.pool_host import common
@@ -13,6 +15,7 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import host_pool as host_pool_module
 from sglang_mxfp8_hicache import storage
+from sglang_mxfp8_hicache.geometry import FORMATS
 from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
@@ -583,3 +586,65 @@ def test_refuses_nixl_direct_io(
     else:
         with pytest.raises(AssertionError, match="allocated before refusing"):
             build()  # past every check, into the allocating base
+
+
+# -- one plan: every path's first refusal is the plan's ---------------------------
+
+SEVERAL_PROBLEMS = {
+    # name: (page_size, layout, io backend, storage backend, v_head_dim, format)
+    "page_size_and_layout": (64, "page_unified", "kernel", None, 128, "mxfp8"),
+    "layout_io_storage": (128, "page_unified", "kernel_ascend", "sim", 128, "mxfp8"),
+    "io_and_storage": (128, "page_first", "kernel_ascend", "sim", 128, "mxfp8"),
+    "asymmetric_fp4_and_hf3fs": (128, "page_first", "kernel", "hf3fs", 64, "fp4"),
+    "sealed_storage_and_page_head": (128, "page_head", "kernel", "nixl", 128, "mxfp8"),
+}
+
+
+@pytest.mark.parametrize("case", SEVERAL_PROBLEMS)
+def test_every_path_gives_the_plans_first_refusal(cpu_kernels, monkeypatch, case):
+    """A configuration with several problems is refused for the same first one
+    by the plugin's check of the server flags, the pool's constructor, the
+    storage factory hook (a pool built without the backend, then attaching
+    it) and ``size``, as far as each knows the facts: the plan's."""
+    from sglang_mxfp8_hicache import sizing
+    from sglang_mxfp8_hicache.refusals import HiCacheFlags, PageShape, refusal
+
+    page_size, layout, io, backend, v_head_dim, fmt = SEVERAL_PROBLEMS[case]
+    fp4 = "fp4_mx_block16" if fmt == "fp4" else fmt
+    flags = HiCacheFlags(fp4, page_size, layout, io, backend, {})
+    shape = PageShape(2, 128, v_head_dim, 2)
+    first = refusal(flags, shape)
+    assert first is not None
+    assert refusal(flags) in (first, None)  # the plugin, before the model
+
+    monkeypatch.setattr(host_pool_module, "configured_io_backend", lambda: io)
+    monkeypatch.setattr(host_pool_module, "configured_storage_extra_config", dict)
+    pool = build_device_pool(
+        head_num=2,
+        head_dim=128,
+        v_head_dim=v_head_dim,
+        layer_num=2,
+        pages=2,
+        page_size=page_size,
+        kv_cache_dtype=fp4,
+        device="cpu",
+    )
+    info = pool.get_device_pool_infos()[0].buffer_info
+    args = (info, 2.0, 0, page_size, layout)
+    with pytest.raises(BlockScaledHiCacheConfigError) as refused:
+        MHATokenToKVPoolMXFP8Host(*args, allocator_type=backend, **_kwargs(pool))
+    assert str(refused.value) == first.error(fp4, "kv").args[0]
+
+    if first.flag == "--hicache-storage-backend":  # the pool alone is served
+        host = MHATokenToKVPoolMXFP8Host(*args, **_kwargs(pool))
+        assert host.refusal_with_storage(backend, {}) == first
+    size_knows = dataclasses.replace(flags, io_backend="kernel", storage_backend=None)
+    size_first = refusal(size_knows, shape)
+    plan_args = dict(device_tokens=256, fmt=FORMATS[fp4], page_size=page_size)
+    model = sizing.ModelKV((sizing.KVPool("kv", 2, 2, 128, v_head_dim),))
+    if size_first is None:
+        sizing.host_plan(model, layout=layout, **plan_args)
+    else:
+        with pytest.raises(sizing.SizingError) as sized:
+            sizing.host_plan(model, layout=layout, **plan_args)
+        assert str(sized.value) == f"kv pool: {size_first.reason}"

@@ -36,6 +36,7 @@ Contracts a caller relies on:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -55,6 +56,7 @@ from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.errors import (  # the first name, kept importable here
     BlockScaledHiCacheConfigError,
     MXFP8HiCacheConfigError,  # noqa: F401
+    refusal_error,
 )
 from sglang_mxfp8_hicache.geometry import (
     FORMATS,
@@ -68,6 +70,9 @@ from sglang_mxfp8_hicache.refusals import (
     HEADS_MAJOR_LAYOUT,
     SERVED_IO_BACKENDS,
     HiCacheFlags,
+    PageShape,
+    Refused,
+    plan_page,
     refusal,
 )
 
@@ -230,7 +235,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     ):
         # Everything is checked before a byte is allocated; the base constructor
         # calls get_size_per_token(), so the page must exist before it runs.
-        self.host_page = self._check_config(
+        self.flags, self.page_shape, self.host_page = self._check_config(
             buffer_info,
             page_size=page_size,
             layout=layout,
@@ -242,9 +247,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         try:
             self._mover_factory = self._choose_mover(self.host_page, pool_label)
         except transfer.TransferUnavailable as exc:
-            raise BlockScaledHiCacheConfigError(
-                f"{pool_label}: {fmt.name} HiCache: {exc}; run without "
-                "--enable-hierarchical-cache."
+            raise refusal_error(
+                f"{exc}; run without --enable-hierarchical-cache.", fmt.name, pool_label
             ) from exc
         self._scaled_infos = (buffer_info, *draft_buffer_infos)
         try:
@@ -308,14 +312,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         allocator_type: str,
         draft_buffer_infos: Sequence[MHABufferInfo],
         pool_label: str,
-    ) -> HostPage:
+    ) -> tuple[HiCacheFlags, PageShape, HostPage]:
+        """The server's flags, the pool's shape and its page (``plan_page``), or
+        the refusal, before a byte is allocated; then what only the device
+        buffers tell: their format, scale layout, drafts and contiguity."""
         fmt = buffer_scale_format(buffer_info)
         name = fmt.name if fmt is not None else "block-scaled"
 
         def refuse(reason: str) -> BlockScaledHiCacheConfigError:
-            return BlockScaledHiCacheConfigError(
-                f"{pool_label}: {name} HiCache: {reason}"
-            )
+            return refusal_error(reason, name, pool_label)
 
         if fmt is None:
             if is_packed_fp4(buffer_info):
@@ -331,39 +336,30 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 "the device pool has no scale buffers of a format this host pool "
                 f"serves (--kv-cache-dtype {', '.join(FORMATS)})."
             )
-        reason = refusal(
-            HiCacheFlags(
-                kv_cache_dtype=name,
-                page_size=buffer_info.page_size,
-                mem_layout=layout,
-                io_backend=configured_io_backend() or "kernel",
-                storage_backend=allocator_type,
-                storage_extra_config=configured_storage_extra_config(),
-                decode_host_receive=decode_host_receive(),
-                symmetric=buffer_info.v_head_dim == buffer_info.head_dim,
-            )
+        flags = HiCacheFlags(
+            kv_cache_dtype=name,
+            page_size=buffer_info.page_size,
+            mem_layout=layout,
+            io_backend=configured_io_backend() or "kernel",
+            storage_backend=allocator_type,
+            storage_extra_config=configured_storage_extra_config(),
+            decode_host_receive=decode_host_receive(),
+            device_kernels=current_platform.capabilities.hicache_device_kernels,
         )
-        if reason is not None:
-            raise refuse(reason)
+        shape = PageShape(
+            head_num=buffer_info.head_num,
+            head_dim=buffer_info.head_dim,
+            v_head_dim=buffer_info.v_head_dim,
+            layer_num=len(buffer_info.buffers.k) + len(draft_buffer_infos),
+        )
+        page = plan_page(flags, shape)
+        if isinstance(page, Refused):
+            raise refuse(page.reason)
         if page_size != buffer_info.page_size:
             raise refuse(
                 f"host page_size {page_size} != device page_size "
                 f"{buffer_info.page_size}; a host page must hold exactly one device "
                 "page. Give both the same --page-size."
-            )
-        if not current_platform.capabilities.hicache_device_kernels:
-            raise refuse(
-                "the JIT HiCache kernels need a CUDA or ROCm GPU; this platform has "
-                "none, run without --enable-hierarchical-cache."
-            )
-        if not fmt.interleaved and buffer_info.head_dim != buffer_info.v_head_dim:
-            raise refuse(
-                f"K head_dim {buffer_info.head_dim} != V head_dim "
-                f"{buffer_info.v_head_dim}, and SGLang 0.5.23's FP4 KV pool builds "
-                "V's payload and scales at K's head_dim (its quant method's "
-                "create_buffers takes one head_dim), so the device V rows are not "
-                "the V heads; SGLang serves no asymmetric FP4 KV cache. Use "
-                "--kv-cache-dtype mxfp8 for this model."
             )
         scales = buffer_info.scales
         heads = (buffer_info.head_num, buffer_info.head_dim, buffer_info.v_head_dim)
@@ -377,29 +373,21 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                     f"--kv-cache-dtype {name}, or drop --speculative-algorithm or "
                     "--enable-hierarchical-cache."
                 )
-        try:
-            k, v = (
+        try:  # the device scales are laid out as the planned page's
+            for side, side_scales, geometry in (
+                ("k", scales.k, page.k),
+                ("v", scales.v, page.v),
+            ):
                 ScaleGeometry.from_device_scales(
                     side_scales[0],
                     fmt=fmt,
-                    head_num=buffer_info.head_num,
-                    head_dim=head_dim,
+                    head_num=geometry.head_num,
+                    head_dim=geometry.head_dim,
                     page_size=page_size,
                     side=side,
                 )
-                for side, side_scales, head_dim in (
-                    ("k", scales.k, buffer_info.head_dim),
-                    ("v", scales.v, buffer_info.v_head_dim),
-                )
-            )
         except ValueError as exc:
             raise refuse(str(exc)) from None
-        page = HostPage(
-            k,
-            v,
-            layer_num=len(buffer_info.buffers.k) + len(draft_buffer_infos),
-            heads_major=layout == HEADS_MAJOR_LAYOUT,
-        )
         run_bytes = dict(zip(PARTS, page.run_bytes(), strict=True))
         for info in (buffer_info, *draft_buffer_infos):
             runs = (
@@ -418,7 +406,15 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                         "of a unified KV pool, which no block-scaled device pool "
                         "builds); run without --enable-hierarchical-cache."
                     )
-        return page
+        return flags, shape, page
+
+    def refusal_with_storage(self, backend: str, extra_config: dict) -> Refused | None:
+        """The plan's first refusal of this pool's flags with L3 ``backend``
+        (at startup, or attached at run time), or None."""
+        flags = dataclasses.replace(
+            self.flags, storage_backend=backend, storage_extra_config=extra_config
+        )
+        return refusal(flags, self.page_shape)
 
     def get_size_per_token(self) -> int:
         return self.host_page.bytes_per_token
@@ -562,12 +558,13 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         return plan
 
-    @staticmethod
-    def _require_io(io_backend: str) -> None:
+    def _require_io(self, io_backend: str) -> None:
         if io_backend not in SERVED_IO_BACKENDS:
-            raise BlockScaledHiCacheConfigError(
-                f"block-scaled HiCache moves pages with --hicache-io-backend "
-                f"{' or '.join(SERVED_IO_BACKENDS)}, got {io_backend!r}."
+            raise refusal_error(
+                f"pages move with --hicache-io-backend "
+                f"{' or '.join(SERVED_IO_BACKENDS)}, got {io_backend!r}.",
+                self.host_page.fmt.name,
+                self.pool_label,
             )
 
     def backup_from_device_all_layer(

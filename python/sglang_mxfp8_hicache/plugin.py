@@ -138,15 +138,16 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
     """
     for device_pool in (pool, *drafts):
         if getattr(device_pool, "native_k_scale_buffer", None) is not None:
-            from sglang_mxfp8_hicache.host_pool import BlockScaledHiCacheConfigError
+            from sglang_mxfp8_hicache.errors import refusal_error
 
-            raise BlockScaledHiCacheConfigError(
-                "nvfp4 HiCache: the device pool keeps native trtllm_mha scales "
+            raise refusal_error(
+                "the device pool keeps native trtllm_mha scales "
                 "(SM100) outside the buffers a host pool is given; no host pool "
                 "could restore them, and SGLang has no function that rebuilds "
                 "them from the per-token copy. Use --attention-backend "
                 "flashinfer for both phases, or run without "
-                "--enable-hierarchical-cache."
+                "--enable-hierarchical-cache.",
+                "nvfp4",
             )
     return original(pool, drafts)
 
@@ -282,7 +283,6 @@ def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: A
     (``refusals.REFUSALS``) stop the launch now, with the pool's reason."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
     from sglang_mxfp8_hicache.geometry import FORMATS
     from sglang_mxfp8_hicache.refusals import HiCacheFlags, refusal
 
@@ -292,11 +292,9 @@ def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: A
         and view.kv_cache_dtype in FORMATS
         and not _uses_mla_pool(server_args, view.model_path)
     ):
-        reason = refusal(HiCacheFlags.from_server_args(view))
-        if reason is not None:
-            raise BlockScaledHiCacheConfigError(
-                f"{view.kv_cache_dtype} HiCache: {reason}"
-            )
+        refused = refusal(HiCacheFlags.from_server_args(view))
+        if refused is not None:
+            raise refused.error(view.kv_cache_dtype)
     return result
 
 

@@ -36,9 +36,8 @@ from sglang_mxfp8_hicache.geometry import (
     INTERLEAVED_PAGE_SIZE,
     MXFP8,
     ScaleFormat,
-    ScaleGeometry,
 )
-from sglang_mxfp8_hicache.page import seal_bytes
+from sglang_mxfp8_hicache.refusals import HiCacheFlags, PageShape, Refused, plan_page
 
 PAGE_SIZE = INTERLEAVED_PAGE_SIZE
 """MXFP8's page size, and the default for the others."""
@@ -311,18 +310,18 @@ def host_plan(
     layout: str = "page_first",
 ) -> HostPlan:
     """``fmt``'s host tier for ``model`` on one rank, from ``device_tokens`` of
-    the full (or only) KV pool; payload and scale bytes from the geometry the
-    host pool uses. ``draft_layers``: packed MTP/NextN draft layers, which the
+    the full (or only) KV pool; bytes per token from the page the host pool
+    builds (``refusals.plan_page``), and its refusal as a ``SizingError``. ``draft_layers``: packed MTP/NextN draft layers, which the
     host page of the full (or only) pool carries after the target's.
     ``layout``: ``--hicache-mem-layout`` (a ``page_head`` page has no seals)."""
     if draft_layers:
         first, *rest = model.pools
         first = msgspec.structs.replace(first, layers=first.layers + draft_layers)
         model = msgspec.structs.replace(model, pools=(first, *rest))
-    if fmt.interleaved and page_size != PAGE_SIZE:
-        raise SizingError(
-            f"{fmt.name} HiCache needs --page-size {PAGE_SIZE}, got {page_size}"
-        )
+    flags = HiCacheFlags(
+        kv_cache_dtype=fmt.name, page_size=page_size, mem_layout=layout
+    )
+    per_token = []
     for pool in model.pools:
         counts = {"layers": pool.layers, "kv_heads": pool.kv_heads}
         counts["head_dim"] = max(pool.head_dim, pool.v_head_dim)
@@ -332,24 +331,13 @@ def host_plan(
                     f"{pool.name} pool: {name} {value} is over {MODEL_BOUNDS[name]}, "
                     "ten times what any released model has: a typo?"
                 )
-        for dim in (pool.head_dim, pool.v_head_dim):
-            if dim % fmt.sf_block:
-                raise SizingError(
-                    f"{pool.name} pool: head_dim must be a multiple of "
-                    f"{fmt.sf_block} ({fmt.name} keeps one scale byte per "
-                    f"{fmt.sf_block} elements), got {dim}"
-                )
-        if not fmt.interleaved and pool.head_dim != pool.v_head_dim:
-            raise SizingError(
-                f"{pool.name} pool: K head_dim {pool.head_dim} != V head_dim "
-                f"{pool.v_head_dim}, which SGLang's FP4 KV pool cannot hold; use "
-                "--kv-cache-dtype mxfp8"
-            )
-    heads_major = layout == "page_head"
-    per_token = [
-        _pool_bytes_per_token(pool, fmt, page_size, heads_major=heads_major)
-        for pool in model.pools
-    ]
+        shape = PageShape(pool.kv_heads, pool.head_dim, pool.v_head_dim, pool.layers)
+        page = plan_page(flags, shape)  # the pool's own page
+        if isinstance(page, Refused):
+            raise SizingError(f"{pool.name} pool: {page.reason}")
+        seals = 2 * page.seal_bytes // page_size
+        scales = page.scale_bytes_per_token
+        per_token.append((page.bytes_per_token - scales - seals, scales, seals))
     # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.
     pool_tokens = [
         device_tokens
@@ -434,19 +422,3 @@ def host_plan(
         mamba_state_bytes=model.mamba_state_bytes,
         warnings=warnings,
     )
-
-
-def _pool_bytes_per_token(
-    pool: KVPool, fmt: ScaleFormat, page_size: int, *, heads_major: bool
-) -> tuple[int, int, int]:
-    """(payload, scales, seals) bytes per token of ``pool``'s host pages; a
-    heads-major page has no seals (``HostPage.seal_bytes``)."""
-    k, v = (
-        ScaleGeometry(
-            head_num=pool.kv_heads, head_dim=dim, page_size=page_size, fmt=fmt
-        )
-        for dim in (pool.head_dim, pool.v_head_dim)
-    )
-    payload = (k.payload_bytes_per_token + v.payload_bytes_per_token) * pool.layers
-    scale = (k.bytes_per_token + v.bytes_per_token) * pool.layers
-    return payload, scale, 0 if heads_major else 2 * seal_bytes(page_size) // page_size

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sglang_mxfp8_hicache import seal
-from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.page import HostPage
 
 if TYPE_CHECKING:
@@ -201,18 +201,9 @@ def guard_storage_backend(
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
     name = pool.host_page.fmt.name
-    page = pool.host_page
-    reason = storage_refusal(
-        backend_name,
-        name,
-        sealed=bool(page.seal_bytes),
-        symmetric=page.k_part.span_bytes == page.v_part.span_bytes,
-        extra_config=storage_config.extra_config or {},
-    )
-    if reason is not None:
-        raise BlockScaledHiCacheConfigError(
-            f"{pool.pool_label}: {name} HiCache: {reason}"
-        )
+    refused = pool.refusal_with_storage(backend_name, storage_config.extra_config or {})
+    if refused is not None:
+        raise refused.error(name, pool.pool_label)
     built = original(factory, backend_name, storage_config, pool, **kwargs)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
 
@@ -223,9 +214,11 @@ def guard_storage_backend(
     if backend_name == "mooncake" and not hasattr(
         backend.store, "batch_get_replica_desc"
     ):
-        raise BlockScaledHiCacheConfigError(
-            "the installed Mooncake has no batch_get_replica_desc, which the MXFP8 "
-            f"size check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}."
+        raise refusal_error(
+            "the installed Mooncake has no batch_get_replica_desc, which the size "
+            f"check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}.",
+            name,
+            pool.pool_label,
         )
     guarded = GuardedStorage(backend, pool, backend_name, storage_config)
     logger.info(
