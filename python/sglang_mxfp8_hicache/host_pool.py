@@ -589,7 +589,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         """Issues ``layer_id``'s layer group with the first of its layers this
         transfer loads (``_target_load_group``), so every layer is on its way
         before its own call returns, whatever order the layer mapper gives."""
-        self._require_io(io_backend)
+        if io_backend not in SERVED_IO_BACKENDS:
+            self._require_io(io_backend)
         if is_draft:
             prepared = self._draft_prepared.get(layer_id)
         else:

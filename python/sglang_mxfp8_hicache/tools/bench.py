@@ -225,15 +225,20 @@ def _transfers(
             device_pool, hosts, device_tokens, io_backend
         )
 
+    # Made before the timed loop, which then costs what a controller's does.
+    drafts_after = [
+        draft_depths_after(layer, layers, len(drafts)) for layer in range(layers)
+    ]
+
     def load(host) -> Transfer:
         host_tokens_gpu = indices(host, backup=False)
 
         def all_layers(mark):
-            for layer in range(layers):
+            for layer, depths in enumerate(drafts_after):
                 host.load_to_device_per_layer(
                     device_pool, host_tokens_gpu, device_tokens, layer, io_backend
                 )
-                for depth in draft_depths_after(layer, layers, len(drafts)):
+                for depth in depths:
                     host.load_to_device_per_layer(
                         drafts[depth],
                         host_tokens_gpu,
