@@ -1,20 +1,17 @@
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from kernel_emulation import EmulatedKernels  # noqa: E402
+from testkit.kernel_emulation import EmulatedKernels
 
 HAS_CUDA = torch.cuda.is_available()
 
 
 SOAK_FIGURES: list[str] = []
-"""The soak runs' figures (``test_soak``), printed at the end of the session."""
+"""The soak runs' figures (``soak/test_soak.py``), printed at the end of the session."""
 
 
 def pytest_addoption(parser):
@@ -22,7 +19,7 @@ def pytest_addoption(parser):
         "--soak-seconds",
         type=float,
         default=20.0,
-        help="how long each soak run drives the cache (test_soak.py)",
+        help="how long each soak run drives the cache (soak/test_soak.py)",
     )
     parser.addoption(
         "--soak-seed",
@@ -48,11 +45,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def soak_figures() -> list[str]:
+    """Where each soak run adds its figures (:data:`SOAK_FIGURES`)."""
+    return SOAK_FIGURES
+
+
 @pytest.fixture
 def cpu_kernels(monkeypatch) -> EmulatedKernels:
     """SGLang's JIT HiCache kernels and ours replaced by CPU emulations of
     their contracts (``kernel_emulation.install_emulation``)."""
-    from kernel_emulation import install_emulation
+    from testkit.kernel_emulation import install_emulation
 
     return install_emulation(monkeypatch)
 
@@ -139,11 +142,10 @@ def hf3fs_metadata_server():
     """SGLang's own 3FS metadata server (``mini_3fs_metadata_server``) on a
     free loopback port, for the module; yields its URL."""
     import subprocess
-    import sys
     import time
     import urllib.request
 
-    from mooncake_loopback import die_with_parent, free_ports
+    from testkit.mooncake_loopback import die_with_parent, free_ports
 
     [port] = free_ports(1)
     url = f"http://127.0.0.1:{port}"
@@ -180,8 +182,8 @@ def hf3fs_metadata_server():
 @pytest.fixture(scope="session")
 def seaweedfs():
     """A SeaweedFS server with its S3 gateway on 127.0.0.1 for the session
-    (``test/seaweedfs_loopback.py``)."""
-    from seaweedfs_loopback import (
+    (``testkit/seaweedfs_loopback.py``)."""
+    from testkit.seaweedfs_loopback import (
         SeaweedFSLoopback,
         seaweedfs_available,
     )
@@ -192,12 +194,12 @@ def seaweedfs():
 @pytest.fixture(scope="session")
 def mooncake():
     """A real Mooncake master and storage node on 127.0.0.1 for the session
-    (``test/mooncake_loopback.py``); skips where Mooncake cannot run.
+    (``testkit/mooncake_loopback.py``); skips where Mooncake cannot run.
 
     Pass ``mooncake.extra_config()`` as the storage config's ``extra_config``:
     the test's client then holds no segment and every byte crosses TCP.
     """
-    from mooncake_loopback import (
+    from testkit.mooncake_loopback import (
         MooncakeLoopback,
         mooncake_available,
     )

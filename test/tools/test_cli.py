@@ -15,6 +15,8 @@ from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.tools import cli, results
 from sglang_mxfp8_hicache.tools.cli import main
 from sglang_mxfp8_hicache.tools.results import BENCH_GEOMETRIES, BENCH_PAGES
+from testkit import ROOT
+from testkit.cli_runner import MASTER, run_cli
 
 LLAMA_8B = {
     "model_type": "llama",
@@ -36,16 +38,6 @@ DEEPSEEK_V3 = {
     "qk_nope_head_dim": 128,
     "v_head_dim": 128,
 }
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``main`` in this process: the exit code, argparse's included, and the output."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_size_table(capsys):
@@ -181,9 +173,6 @@ def size(*flags, config=None, device_tokens="1000", **geometry) -> list:
         if value is not None:
             argv += [f"--{name.replace('_', '-')}", value]
     return argv
-
-
-MASTER = '{"master_server_address": "127.0.0.1:50051"}'
 
 
 def bad(case_id: str, argv: list, *expected: str):
@@ -701,7 +690,7 @@ def test_check_require_gpu(monkeypatch, capsys, flags, code):
 def test_bench_plot_from_json(tmp_path, capsys):
     """``bench --plot`` draws the committed runs' JSON, no GPU needed (the test
     extra brings matplotlib)."""
-    data = Path(__file__).parent.parent / "docs" / "data"
+    data = ROOT / "docs" / "data"
     sources = ",".join(str(data / f"bench-h200-{n}.json") for n in ("mxfp8", "fp4"))
     out = tmp_path / "plot.png"
     code, said, _ = run_cli(["bench", "--plot", str(out), "--from", sources], capsys)
@@ -717,7 +706,7 @@ def test_bench_plot_from_json(tmp_path, capsys):
 def test_bench_plot_draws_only_panels_with_data(tmp_path, capsys, runs, panel_rows):
     """A run without payload-only cells (direct, page_head) gets no empty
     "ours / payload" panels: the figure is one row of panels shorter."""
-    source = Path(__file__).parent.parent / "docs" / "data" / f"bench-h200-{runs}.json"
+    source = ROOT / "docs" / "data" / f"bench-h200-{runs}.json"
     out = tmp_path / "plot.png"
     assert run_cli(["bench", "--plot", str(out), "--from", str(source)], capsys)[0] == 0
     height = int.from_bytes(out.read_bytes()[20:24], "big")  # the PNG's IHDR
@@ -728,7 +717,7 @@ def test_bench_plot_draws_only_panels_with_data(tmp_path, capsys, runs, panel_ro
 def test_bench_plot_of_other_json_is_one_line(tmp_path, capsys, content):
     """``bench --plot --from`` a file that is not an L2 bench run (an L3
     report, a truncated file, ``{}``) says so in one line, exit 2."""
-    data = Path(__file__).parent.parent / "docs" / "data"
+    data = ROOT / "docs" / "data"
     source = tmp_path / "run.json"
     if content == "l3":
         source = data / "bench-l3-file-h200.json"

@@ -29,7 +29,6 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-import dict_l3_backend
 from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
@@ -50,6 +49,7 @@ from sglang_mxfp8_hicache.tools.pools import (
     host_page_rows,
     page_token_indices,
 )
+from testkit import dict_l3_backend
 
 on_cpu = pytest.mark.parametrize("device", ["cpu"], indirect=True)
 
@@ -73,7 +73,7 @@ def dynamic_config(v1: bool) -> dict:
     """The extra config that makes SGLang load a ``dict_l3_backend`` class."""
     return {
         "backend_name": "dict",
-        "module_path": "dict_l3_backend",
+        "module_path": "testkit.dict_l3_backend",
         "class_name": "DictStoreV1" if v1 else "DictStore",
         **({"interface_v1": 1} if v1 else {}),
     }
@@ -1013,7 +1013,7 @@ def test_bad_page_is_a_miss_mooncake_backend_error(make_pools, storage_hooks, mo
     fails inside Mooncake, nothing arrives, and no host byte changes."""
     import signal
 
-    from mooncake_loopback import MooncakeLoopback
+    from testkit.mooncake_loopback import MooncakeLoopback
 
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=4)
     with MooncakeLoopback() as service:
@@ -1128,7 +1128,7 @@ def test_controller_attach_round_trip_detach(l3, request):
     bytes overwritten, come back through the hit query and the prefetch
     thread, are loaded to the device (payload and scales exact, untouched
     pages kept), and the backend is detached."""
-    from e2e_cpu import run_cpu
+    from testkit.e2e_cpu import run_cpu
 
     name, config = l3, None
     if l3 in ("mooncake", "seaweedfs"):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from e2e import SETUPS
-from e2e_cpu import assert_control_loses_scales, assert_exact, run_cpu
+from testkit.e2e import SETUPS
+from testkit.e2e_cpu import assert_control_loses_scales, assert_exact, run_cpu
 
 OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 

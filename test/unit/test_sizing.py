@@ -4,7 +4,6 @@ planned as its assembler builds them."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +13,7 @@ import transformers
 
 from sglang_mxfp8_hicache.sizing import SizingError, read_model
 from sglang_mxfp8_hicache.tools.cli import main
-
-HERE = Path(__file__).parent
+from testkit import script
 
 
 @pytest.mark.parametrize("hicache", ["ratio", "size"])
@@ -29,12 +27,11 @@ def test_size_matches_the_pools_sglang_builds(setup, hicache):
     pools by device bytes), has the bytes per token and tokens ``size`` plans."""
     ratio, size_gb = ("2.0", "0") if hicache == "ratio" else ("0", "1")
     done = subprocess.run(
-        [sys.executable, str(HERE / "sizing_vs_sglang.py"), setup, ratio, size_gb],
+        [sys.executable, script("sizing_vs_sglang"), setup, ratio, size_gb],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(HERE)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.splitlines()[-1])

@@ -19,7 +19,7 @@ import torch
 
 from sglang_mxfp8_hicache import storage
 from sglang_mxfp8_hicache.tools import bench_l3, results
-from test_cli import MASTER, run_cli  # the CLI tests' runner and master config
+from testkit.cli_runner import MASTER, run_cli
 
 TINY = (1, 128, 2)
 """1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload,

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testkit import ROOT
+
 CORE = (
     "plugin",
     "host_pool",
@@ -37,7 +39,7 @@ def test_core_imports_no_tools():
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-PACKAGE = Path(__file__).parent.parent / "python" / "sglang_mxfp8_hicache"
+PACKAGE = ROOT / "python" / "sglang_mxfp8_hicache"
 TOOLS_LINE_BUDGET = 2650
 """2,500 lines for check, size and the benches alone, 150 for timing beside
 the forward pass."""

@@ -14,17 +14,16 @@ when scales are lost.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import msgspec
 import pytest
 
-from conftest import SOAK_FIGURES
-from soak import SoakFigures
+from testkit import script
+from testkit.soak import SoakFigures
 
-SOAK = os.path.join(os.path.dirname(__file__), "soak.py")
+SOAK = script("soak")
 
 
 def soak(request, *flags: str, ranks: int = 1) -> SoakFigures | list[SoakFigures]:
@@ -40,7 +39,9 @@ def soak(request, *flags: str, ranks: int = 1) -> SoakFigures | list[SoakFigures
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()[-ranks:]
-    SOAK_FIGURES.extend(f"{request.node.name}: {line}" for line in lines)
+    request.getfixturevalue("soak_figures").extend(
+        f"{request.node.name}: {line}" for line in lines
+    )
     figures = [msgspec.json.decode(line, type=SoakFigures) for line in lines]
     return figures if ranks > 1 else figures[0]
 
@@ -130,7 +131,7 @@ def test_soak_fault_node_restart(request):
     held gone) and started again, over and over: reads and writes fail while
     it is down and miss what it lost after, never a wrong byte or a hang; once
     it is back, pages stored on it are loaded again."""
-    from mooncake_loopback import mooncake_available
+    from testkit.mooncake_loopback import mooncake_available
 
     if reason := mooncake_available():
         pytest.skip(reason)
@@ -203,10 +204,9 @@ def test_sglang_write_back_oom_reproduces():
     (``sglang_write_back_oom.py``; the soak refuses that setup). With
     SGLang's own host pool as with ours: not the host pool's doing. When this
     fails, SGLang has fixed it and the soak's refusal can go."""
-    script = os.path.join(os.path.dirname(__file__), "sglang_write_back_oom.py")
     for flags in ([], ["--payload-only"]):
         done = subprocess.run(
-            [sys.executable, script, *flags],
+            [sys.executable, script("sglang_write_back_oom"), *flags],
             capture_output=True,
             text=True,
             timeout=600,

@@ -7,15 +7,15 @@ from sglang.kernels.ops.quantization.mxfp8_amd_gfx95 import (
     _mxfp8_e4m3_quantize_torch as sglang_reference_quantize,
 )
 
-from e2e import (
+from sglang_mxfp8_hicache.tools.bench import Row
+from sglang_mxfp8_hicache.tools.pools import build_device_pool, fill_random
+from testkit.e2e import (
     DeviceLayer,
     dequantize,
     dequantize_slots,
     token_scales,
     within_quantization_error,
 )
-from sglang_mxfp8_hicache.tools.bench import Row
-from sglang_mxfp8_hicache.tools.pools import build_device_pool, fill_random
 
 
 def test_token_scales_match_sglang_reader():

@@ -1,6 +1,6 @@
 """Dispatch through SGLang's real plugin loading, in fresh processes.
 
-``test/probe.py`` builds real device pools and asks both names of
+``testkit/probe.py`` builds real device pools and asks both names of
 ``get_mha_host_pool_cls`` after ``sglang.srt.plugins.load_plugins()``.
 """
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sglang_mxfp8_hicache import plugin
+from testkit import script
 
 OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 SGLANG_MXFP8 = "sglang.srt.mem_cache.pool_host.mha_mxfp8.MHATokenToKVPoolMXFP8Host"
@@ -26,7 +27,7 @@ def run_dispatch(order: str, **env: str) -> tuple[dict[str, str], str]:
     environ = {**os.environ, **env}
     environ.pop("SGLANG_PLUGINS", None)
     done = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "probe.py")]
+        [sys.executable, script("probe")]
         + (["--assembler-first"] if order == "assembler_first" else []),
         capture_output=True,
         text=True,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from e2e import SETUPS, run_modes
-from e2e_cpu import assert_control_loses_scales, assert_exact
+from testkit.e2e import SETUPS, run_modes
+from testkit.e2e_cpu import assert_control_loses_scales, assert_exact
 
 pytestmark = pytest.mark.gpu
 
