@@ -74,11 +74,8 @@ def make_pools(device, request):
     """Builds a block-scaled device pool of ``2 * pages + 1`` pages and a host pool of
     three quarters of it on ``device``; destroys the host pools afterwards."""
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.pools import (
-        build_device_pool,
-        build_host_pool,
-        device_buffers,
-    )
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
+    from testkit.pools import device_buffers
 
     kernels = request.getfixturevalue("cpu_kernels") if device == "cpu" else None
     hosts = []

@@ -5,8 +5,9 @@ SGLang's ``MooncakeStore`` against a real master and a separate storage node on
 loopback (the ``mooncake`` fixture), so every byte crosses Mooncake's TCP
 transport; ``dynamic`` and ``dynamic_v1`` are the in-test classes of
 ``dict_l3_backend`` loaded by SGLang's factory from their module path, through
-its generic and its zero-copy page functions. Pages move through ``tools.l3.StoragePageIO``: the backend built by
-SGLang's factory and the cache controller's own page functions. The plugin's
+its generic and its zero-copy page functions. Pages move through
+``tools.l3.StoragePageIO``: the backend built by SGLang's factory and the cache
+controller's own page functions (its hit query: ``hit_query``). The plugin's
 storage hooks are applied for each test as ``HookRegistry`` applies them.
 
 The stored page is the host page (``page.HostPage``): one span of the pool's
@@ -67,6 +68,20 @@ def storage_hooks(monkeypatch):
         "create_backend",
         classmethod(_wrap_fn(create, storage.guard_storage_backend, HookType.AROUND)),
     )
+
+
+def hit_query(io: StoragePageIO, tokens: list[int]) -> list[str]:
+    """The keys of the leading pages of ``tokens`` that L3 holds, as the
+    controller's ``_storage_hit_query`` finds them."""
+    from sglang.srt.managers.cache_controller import (
+        HiCacheController,
+        PrefetchOperation,
+    )
+
+    hashes, _ = HiCacheController._storage_hit_query(
+        io, PrefetchOperation("query", tokens)
+    )
+    return hashes
 
 
 def dynamic_config(v1: bool) -> dict:
@@ -389,7 +404,7 @@ def test_round_trip(device, make_pools, open_io, pages):
     """130 pages: two controller batches of at most 128."""
     _, host = make_pools(heads=8, head_dim=128, layers=3, pages=pages)
     stored = Stored(open_io(host), pages=pages, seed=pages)
-    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert hit_query(stored.io, stored.tokens) == stored.hashes
     assert stored.fetch() == pages
     stored.check(pages)
 
@@ -479,7 +494,7 @@ def test_round_trip_fp4(device, make_pools, open_io, kv_cache_dtype):
     )
     assert host.kv_buffer.dtype == torch.uint8
     stored = Stored(open_io(host), pages=5, seed=7)
-    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert hit_query(stored.io, stored.tokens) == stored.hashes
     assert stored.fetch() == 5
     stored.check(5)
 
@@ -496,7 +511,7 @@ def test_round_trip_asymmetric_heads(device, make_pools, open_io):
     k, v = host.host_page.k_part, host.host_page.v_part
     assert k.span_bytes - k.seal_bytes == 2 * (v.span_bytes - v.seal_bytes)
     stored = Stored(open_io(host), pages=5, seed=13)
-    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert hit_query(stored.io, stored.tokens) == stored.hashes
     assert stored.fetch() == 5
     stored.check(5)
 
@@ -528,11 +543,11 @@ def test_layer_first_pool_round_trips(make_pools, open_io, writer, reader):
     assert ios[reader].storage_backend.mem_pool_host is pools[reader]
     stored = Stored(ios[writer], pages=5, seed=17, reader=ios[reader])
     if writer != reader and open_io.backend_name != "file":
-        assert stored.io.hit_query(stored.tokens) == []
+        assert hit_query(stored.io, stored.tokens) == []
         assert stored.fetch() == 0
         stored.check(0)
         return
-    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert hit_query(stored.io, stored.tokens) == stored.hashes
     assert stored.fetch() == 5
     stored.check(5)
 
@@ -559,9 +574,9 @@ def test_pages_of_another_recipe_never_load(make_pools, open_io, theirs, ours):
     # store outlives the test.
     model = f"shared-{uuid.uuid4().hex[:8]}"
     stored = Stored(open_io(their_host, model), pages=3)
-    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert hit_query(stored.io, stored.tokens) == stored.hashes
     mine = open_io(our_host, model)
-    assert mine.hit_query(stored.tokens) == []
+    assert hit_query(mine, stored.tokens) == []
     fill_host(our_host, 8)
     before = host_pages(our_host, torch.arange(our_host.page_num))
     assert mine.fetch(stored.hashes, page_token_indices(torch.arange(3))) == 0
@@ -796,7 +811,7 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     stored = Stored(open_io(host), pages=6, seed=11)
     for key in stored.hashes[2:4]:
         _plant(stored.io, key, fault, other=stored.hashes[0])
-    hits = stored.io.hit_query(stored.tokens)
+    hits = hit_query(stored.io, stored.tokens)
     expected_hits = 2 if fault in ("missing", "missing_part") else 6
     assert hits == stored.hashes[:expected_hits]
     caplog.clear()
@@ -925,9 +940,9 @@ def test_pages_of_another_format_never_load(make_pools, open_io, bf16_host, othe
         _, theirs = make_pools(heads=1, head_dim=256, layers=2, pages=4)
     _, ours = make_pools(heads=2, head_dim=128, layers=2, pages=4)
     stored = Stored(open_io(theirs, "shared-model"), pages=3)
-    assert stored.io.hit_query(stored.tokens) == stored.hashes
+    assert hit_query(stored.io, stored.tokens) == stored.hashes
     mine = open_io(ours, "shared-model")
-    assert mine.hit_query(stored.tokens) == []
+    assert hit_query(mine, stored.tokens) == []
     fill_host(ours, 9)
     before = host_pages(ours, torch.arange(ours.page_num))
     assert mine.fetch(stored.hashes, page_token_indices(torch.arange(3))) == 0
@@ -1024,7 +1039,7 @@ def test_bad_page_is_a_miss_mooncake_backend_error(make_pools, storage_hooks, mo
             extra_config=service.extra_config(),
         )
         stored = Stored(io, pages=4, seed=31)
-        assert io.hit_query(stored.tokens) == stored.hashes
+        assert hit_query(io, stored.tokens) == stored.hashes
         node = service.pids["node"]
         os.kill(node, signal.SIGKILL)
         os.waitpid(node, 0)
@@ -1071,7 +1086,7 @@ def test_page_head_head_groups_shared_across_tp_sizes(
         k_part = wide.host_page.k_part.span_bytes
         for rank, (reader, pool) in enumerate(zip(readers, narrow, strict=True)):
             fill_host(pool, 30 + rank)
-            assert reader.hit_query(tokens) == hashes
+            assert hit_query(reader, tokens) == hashes
             assert reader.fetch(hashes, page_token_indices(dst)) == 2
             got = host_page_rows(pool)[dst]
             spans = host_page_rows(wide)[src]
@@ -1175,7 +1190,7 @@ def test_hf3fs_shared_metadata_server(
     ours = Stored(first, pages=6, seed=21)
     first.close()
     restarted = open_(host)
-    assert restarted.hit_query(ours.tokens) == ours.hashes
+    assert hit_query(restarted, ours.tokens) == ours.hashes
     assert restarted.fetch(ours.hashes, page_token_indices(ours.dst)) == 6
     ours.check(6)
 

@@ -49,13 +49,12 @@ from sglang_mxfp8_hicache.tools.pools import PAGE_SIZE as PAGE
 from sglang_mxfp8_hicache.tools.pools import (
     PayloadOnlyHost,
     build_device_pool,
-    device_buffers,
     fill_random,
     host_page_rows,
-    synchronize,
 )
 from testkit import script
 from testkit.mooncake_loopback import HOST, free_ports
+from testkit.pools import device_buffers, synchronize
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 # Different lengths, one a whole number of pages, the others not.

@@ -719,7 +719,7 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     from sglang_mxfp8_hicache import host_pool
-    from sglang_mxfp8_hicache.tools.pools import device_buffers
+    from testkit.pools import device_buffers
 
     kernels = install_emulation(monkeypatch)
     mamba_kernels = EmulatedMambaKernels(kernels.pointers)

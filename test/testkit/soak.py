@@ -581,7 +581,7 @@ class Soak:
         kernel must move no byte of that page and the pool's next transfer
         raise (made here at once: a synchronise and the check that opens every
         transfer); what the page held before is compared after."""
-        from sglang_mxfp8_hicache.tools.pools import synchronize
+        from testkit.pools import synchronize
 
         host = self.controller.mem_pool_host.anchor_entry.host_pool
         load = host.load_to_device_per_layer
@@ -940,7 +940,8 @@ class Soak:
     def _flush_tiers(self) -> None:
         """``Scheduler.flush_cache`` with L3 kept: the device and host tiers
         emptied and every byte of them overwritten, so later hits come from L3."""
-        from sglang_mxfp8_hicache.tools.pools import device_buffers, host_page_rows
+        from sglang_mxfp8_hicache.tools.pools import host_page_rows
+        from testkit.pools import device_buffers
 
         self._drain()  # the held host slots first: a reset frees every host slot
         cache = self.cache

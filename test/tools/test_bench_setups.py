@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_mxfp8_hicache.tools import bench
-from sglang_mxfp8_hicache.tools.pools import device_buffers
+from testkit.pools import device_buffers
 
 GEOMETRY = (2, 128, 3)  # KV heads, head_dim, target layers
 DRAFTS = 2

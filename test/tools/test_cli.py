@@ -667,6 +667,28 @@ def test_check_command():
     assert progress == [f"{name}: {step['status']}" for name, step in steps.items()]
 
 
+@pytest.mark.parametrize("control", [False, True], ids=["ours", "payload_only"])
+def test_check_round_trip(make_pools, control):
+    """``check``'s own round trip (``tools.pools.round_trip``), on each device:
+    our host pool brings payload and scales back byte for byte and keeps every
+    other page; the payload-only control's lost scales fail it."""
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+    from sglang_mxfp8_hicache.tools import pools
+
+    host_cls = pools.PayloadOnlyHost if control else MHATokenToKVPoolMXFP8Host
+    device_pool, host = make_pools(
+        heads=2, head_dim=128, layers=3, pages=8, host_cls=host_cls
+    )
+    ok, found = pools.round_trip(device_pool, host, pages=8, seed=3)
+    scales = "DIFFER" if control else "exact"
+    assert ok != control, found
+    assert re.fullmatch(
+        rf"8 pages: backup [\d.]+ GB/s, load [\d.]+ GB/s; payload exact, "
+        rf"scales {scales}, untouched pages kept",
+        found,
+    ), found
+
+
 @pytest.mark.parametrize(
     "flags, code", [([], 0), (["--require-gpu"], 1)], ids=["plain", "require_gpu"]
 )

@@ -19,12 +19,8 @@ from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.geometry import FORMATS, ScaleGeometry
 from sglang_mxfp8_hicache.host_pool import load_layer_groups
 from sglang_mxfp8_hicache.page import PARTS, HostPage
-from sglang_mxfp8_hicache.tools.pools import (
-    device_buffers,
-    fill_random,
-    page_token_indices,
-    round_trip,
-)
+from sglang_mxfp8_hicache.tools.pools import fill_random, page_token_indices
+from testkit.pools import device_buffers, round_trip
 
 
 class ForcedStaged(transfer.StagedPageChunks):

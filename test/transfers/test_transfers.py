@@ -25,11 +25,10 @@ from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
     PayloadOnlyHost,
-    device_buffers,
     fill_random,
     page_token_indices,
-    round_trip,
 )
+from testkit.pools import device_buffers, round_trip
 
 
 def assert_exact(result) -> None:

@@ -22,11 +22,8 @@ from sglang_mxfp8_hicache.host_pool import (
 )
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
 from sglang_mxfp8_hicache.sizing import dense_model, host_plan
-from sglang_mxfp8_hicache.tools.pools import (
-    build_device_pool,
-    build_host_pool,
-    fp4_quant_method,
-)
+from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
+from testkit.pools import fp4_quant_method
 
 # Built and inspected on the CPU only: the transfers are in test_transfers.py.
 on_cpu = pytest.mark.parametrize("device", ["cpu"], indirect=True)

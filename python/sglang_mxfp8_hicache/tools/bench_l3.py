@@ -89,15 +89,11 @@ def build_pools(
         head_num=heads, head_dim=head_dim, layer_num=layers, pages=1, device=device
     )
     pools: dict[str, Any] = {}
+    sizing = dict(host_to_device_ratio=2 * max_pages, pin_memory=pin_memory)
     try:
         classes = (MHATokenToKVPoolMXFP8Host, PayloadOnlyHost)
         for name, cls in zip(L3_POOLS, classes, strict=True):
-            pools[name] = build_host_pool(
-                device_pool,
-                cls,
-                host_to_device_ratio=2 * max_pages,
-                pin_memory=pin_memory,
-            )
+            pools[name] = build_host_pool(device_pool, cls, **sizing)
     except BaseException:
         for pool in pools.values():
             pool.destroy()
@@ -110,18 +106,12 @@ def page_bytes(pool: Any) -> int:
     return pool.get_size_per_token() * pool.page_size
 
 
-def _poison(pool: Any, pages: torch.Tensor) -> None:
-    host_page_rows(pool)[pages] = POISON
-
-
 def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
     """Host pages ``got`` hold the bytes of pages ``put``, payload and scales."""
-    rows = host_page_rows(pool)
-    for start in range(0, len(got), VERIFY_CHUNK_PAGES):
-        chunk = slice(start, start + VERIFY_CHUNK_PAGES)
-        if not torch.equal(rows[got[chunk]], rows[put[chunk]]):
-            return False
-    return True
+    rows, n = host_page_rows(pool), VERIFY_CHUNK_PAGES
+    return all(
+        rows[got[i : i + n]].equal(rows[put[i : i + n]]) for i in range(0, len(got), n)
+    )
 
 
 def _remove(
@@ -203,7 +193,7 @@ def _one_rep(
     put_at, get_at = page_token_indices(put_pages), page_token_indices(get_pages)
     took: dict[str, dict[str, float]] = {d: {} for d in L3_DIRECTIONS}
     for name in order:
-        _poison(ios[name].storage_host_pool, get_pages)
+        host_page_rows(ios[name].storage_host_pool)[get_pages] = POISON
     done = False
     try:
         for name in order:

@@ -160,38 +160,21 @@ def _check_round_trip() -> tuple[str, str]:
 
     if not torch.cuda.is_available():
         return SKIPPED, "no CUDA GPU here: the JIT transfer kernels need one"
-    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.pools import (
-        build_device_pool,
-        build_host_pool,
-        round_trip,
-    )
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host as Ours
+    from sglang_mxfp8_hicache.tools import pools
 
     pages = 64
-    device_pool = build_device_pool(
-        head_num=8, head_dim=128, layer_num=8, pages=2 * pages + 1, device="cuda"
-    )
-    host = build_host_pool(
-        device_pool,
-        MHATokenToKVPoolMXFP8Host,
-        host_to_device_ratio=1.0,
-        pin_memory=True,
+    shape = dict(head_num=8, head_dim=128, layer_num=8, pages=2 * pages + 1)
+    device_pool = pools.build_device_pool(**shape, device="cuda")
+    host = pools.build_host_pool(
+        device_pool, Ours, host_to_device_ratio=1.0, pin_memory=True
     )
     try:
-        round_trip(device_pool, host, pages=pages, seed=1)  # warm-up: JIT compiles
-        result = round_trip(device_pool, host, pages=pages, seed=2)
+        pools.round_trip(device_pool, host, pages=pages, seed=1)  # warm-up: JIT
+        ok, found = pools.round_trip(device_pool, host, pages=pages, seed=2)
     finally:
         host.destroy()
-    gb = result.bytes_per_direction / 1e9
-    kept = result.host_untouched and result.device_untouched
-    detail = (
-        f"8x128, 8 layers, {pages} pages: backup {gb / result.backup_seconds:.1f} GB/s, "
-        f"load {gb / result.load_seconds:.1f} GB/s; payload "
-        f"{'exact' if result.payload_restored else 'DIFFERS'}, scales "
-        f"{'exact' if result.scales_restored else 'DIFFER'}, untouched pages "
-        f"{'kept' if kept else 'CHANGED'}"
-    )
-    return (OK if result.ok else FAIL), detail
+    return (OK if ok else FAIL), f"8x128, 8 layers, {found}"
 
 
 def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> Step:
@@ -314,24 +297,15 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
     headers = ["pool", "layers", "KV heads x dim", "device tokens"]
     headers += ["B/token (payload+scales+seals)", "host tokens", "host GB"]
     headers += ["payload-only host tokens"]
-    print_table(
-        headers,
-        [
-            [
-                p.name,
-                str(p.layers),
-                f"{p.kv_heads} x {p.head_dim}"
-                + (f"/{p.v_head_dim}" if p.v_head_dim != p.head_dim else ""),
-                str(p.device_tokens),
-                f"{p.bytes_per_token} ({p.payload_bytes_per_token}+"
-                f"{p.scale_bytes_per_token}+{p.seal_bytes_per_token})",
-                str(p.host_tokens),
-                f"{p.host_bytes / 1e9:.3f}",
-                str(p.host_tokens_without_scales),
-            ]
-            for p in plan.pools
-        ],
-    )
+    rows = []
+    for p in plan.pools:
+        dims = f"{p.kv_heads} x {p.head_dim}"
+        dims += f"/{p.v_head_dim}" if p.v_head_dim != p.head_dim else ""
+        per_token = f"{p.bytes_per_token} ({p.payload_bytes_per_token}+"
+        per_token += f"{p.scale_bytes_per_token}+{p.seal_bytes_per_token})"
+        rows.append([p.name, p.layers, dims, p.device_tokens, per_token, p.host_tokens])
+        rows[-1] += [f"{p.host_bytes / 1e9:.3f}", p.host_tokens_without_scales]
+    print_table(headers, rows)
     print(f"host tier per rank: {_gb(plan.host_bytes)}")
     ranks = f"{plan.ranks_per_node} rank{'s' if plan.ranks_per_node > 1 else ''}"
     print(
@@ -407,11 +381,8 @@ def _refuse_mixed_flags(args: argparse.Namespace) -> None:
     ):
         which = f"--l3 {' or '.join(backends)}"
         if value is not None and l3 not in backends:
-            raise UsageError(
-                f"{flag} is for {which}, not --l3 {l3}"
-                if l3
-                else f"{flag} needs {which}"
-            )
+            need = f"is for {which}, not --l3 {l3}" if l3 else f"needs {which}"
+            raise UsageError(f"{flag} {need}")
     if l3 is None and args.drafts is not None and "draft" not in _setup_names(args):
         raise UsageError("--drafts needs --setup draft")
     if l3 is not None and args.geometries is not None and len(args.geometries) != 1:
@@ -491,13 +462,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_bytes(bench.to_json(rows))
     missed = sum(not row.meets_goal() for row in rows)
-    if args.check and missed:
-        print(
-            f"{PROG} bench: {missed} of {len(rows)} cells miss their goal",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return _missed_goals(missed, len(rows)) if args.check and missed else 0
+
+
+def _missed_goals(missed: int, cells: int) -> int:
+    """``--check``: exit 1, saying how many cells missed their goal."""
+    print(f"{PROG} bench: {missed} of {cells} cells miss their goal", file=sys.stderr)
+    return 1
 
 
 def _bench_l3(args: argparse.Namespace) -> int:
@@ -536,14 +507,8 @@ def _bench_l3(args: argparse.Namespace) -> int:
         )
     if args.json_out:
         Path(args.json_out).write_bytes(report.to_json())
-    if args.check and missed:
-        with_goal = 2 * sum(cell.has_goal for cell in report.cells)
-        print(
-            f"{PROG} bench: {len(missed)} of {with_goal} cells miss their goal",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    with_goal = 2 * sum(cell.has_goal for cell in report.cells)
+    return _missed_goals(len(missed), with_goal) if args.check and missed else 0
 
 
 # -- argparse types: each flag is checked where it is parsed, so the error names it.
@@ -621,11 +586,12 @@ def existing_file(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
     parser = OneLineErrorParser(
         prog=PROG,
         description="MXFP8 and FP4 KV scales in SGLang's hierarchical KV cache "
         "(HiCache):\ncheck the install, size the host tier, time the transfers.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=raw,
         epilog=f"Run '{PROG} COMMAND --help' for the flags of a command.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
@@ -635,23 +601,16 @@ def build_parser() -> argparse.ArgumentParser:
     count = dict(type=positive_int, metavar="N")
     switch = dict(action="store_true")
 
-    def command(name: str, func, summary: str, description: str):
-        cmd = sub.add_parser(
-            name,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-            help=summary,
-            description=description,
-        )
+    def command(name: str, func, summary: str, text: str):
+        cmd = sub.add_parser(name, formatter_class=raw, help=summary, description=text)
         cmd.set_defaults(func=func)
 
         def arg(*flags: str, **kwargs: Any) -> None:
             default = kwargs.get("default")
             if default not in (None, ()):  # shown as it is typed
-                shown = (
-                    ",".join(map(str, default))
-                    if type(default) is tuple
-                    else "%(default)s"
-                )
+                shown = "%(default)s"
+                if type(default) is tuple:
+                    shown = ",".join(map(str, default))
                 kwargs["help"] += f" (default: {shown})"
             cmd.add_argument(*flags, **kwargs)
 
@@ -688,12 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--tp-size", **count, default=1, help="tensor parallel ranks")
     tokens = dict(type=number(int, 1, 1 << 40), metavar="N", required=True)
     arg("--device-tokens", **tokens, help="the device (full) pool's tokens")
-    ratio = dict(type=number(float, 0, 1000), metavar="R")
-    arg(
-        "--hicache-ratio",
-        **ratio,
-        help=f"host tokens per device token ({HICACHE_RATIO})",
-    )
+    ratio = f"host tokens per device token ({HICACHE_RATIO})"
+    arg("--hicache-ratio", type=number(float, 0, 1000), metavar="R", help=ratio)
     gb = dict(type=number(int, 0, 1_000_000), metavar="GB", default=0)
     arg("--hicache-size", **gb, help="host GB (1e9 B) per rank; 0: use the ratio")
     layouts = dict(choices=SERVED_LAYOUTS, default="page_first")
@@ -725,36 +680,23 @@ def build_parser() -> argparse.ArgumentParser:
         f"at most {results.L3_GOAL_RATIO}x payload-only from {results.L3_GOAL_FROM_PAGES} pages. "
         "Exit 1 if L3 loses or\nchanges a page.",
     )
+    shape = (
+        f"HEADSxHEAD_DIM[xLAYERS],... with HEAD_DIM a multiple of {MXFP8_SCALE_BLOCK}"
+    )
+    shapes = dict(type=comma_list(geometry, shape), metavar="HxD[xL],...")
     geometries = ",".join("x".join(map(str, g)) for g in results.BENCH_GEOMETRIES)
-    arg(
-        "--geometries",
-        type=comma_list(
-            geometry,
-            f"HEADSxHEAD_DIM[xLAYERS],... with HEAD_DIM a multiple of {MXFP8_SCALE_BLOCK}",
-        ),
-        metavar="HxD[xL],...",
-        help=f"layers default to {BENCH_LAYERS} (default: {geometries}; --l3: one, "
-        f"{'x'.join(map(str, results.L3_GEOMETRY))})",
-    )
+    l3_geometry = "x".join(map(str, results.L3_GEOMETRY))
+    of = f"(default: {geometries}; --l3: one, {l3_geometry})"
+    arg("--geometries", **shapes, help=f"layers default to {BENCH_LAYERS} {of}")
     pages = comma_list(positive_int, "positive integers, comma separated")
-    arg(
-        "--pages",
-        type=pages,
-        metavar="N,...",
-        default=results.BENCH_PAGES,
-        help="per transfer",
-    )
+    pages = dict(type=pages, metavar="N,...", default=results.BENCH_PAGES)
+    arg("--pages", **pages, help="per transfer")
     names = dict(type=comma_list(name, "names, comma separated"), metavar="NAME,...")
     setups = f"{', '.join(results.BENCH_SETUPS)} (default: page_first)"
     arg("--setup", **names, action="append", help=setups)
     arg("--drafts", **count, help="--setup draft: draft pools (default: 1)")
-    ablations = ", ".join(results.BENCH_ABLATIONS)
-    arg(
-        "--ablations",
-        **names,
-        default=(),
-        help=f"ours with one choice undone: {ablations}",
-    )
+    ablations = f"ours with one choice undone: {', '.join(results.BENCH_ABLATIONS)}"
+    arg("--ablations", **names, default=(), help=ablations)
     loops = ", ".join(results.BESIDE_LOOPS)
     arg("--beside", **names, default=(), help=f"time beside a loop: {loops}")
     rounds = f"(default: {results.BENCH_WARMUP}; --l3: {results.L3_WARMUP})"
@@ -766,12 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--plot", type=json_out_path, metavar="PNG", help="draw --from's runs")
     files = comma_list(existing_file, "existing files, comma separated")
     arg("--from", dest="plot_from", type=files, metavar="JSON,...", help="for --plot")
-    arg(
-        "--l3",
-        choices=results.L3_BACKENDS,
-        metavar="BACKEND",
-        help=", ".join(results.L3_BACKENDS),
-    )
+    backends = results.L3_BACKENDS
+    arg("--l3", choices=backends, metavar="BACKEND", help=", ".join(backends))
     where = "(default: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, else the temp dir)"
     arg("--l3-dir", type=existing_dir, metavar="DIR", help=f"file, hf3fs, nixl {where}")
     service = "mooncake, seaweedfs: the extra config of a running service"

@@ -7,8 +7,8 @@ and ``register_mem_pool_host``. The page moves are the controller's own
 functions, called unbound on this object: ``_generic_page_set/_get`` for
 ``file`` and generic ``dynamic``, ``_page_set/_get_zero_copy`` for
 ``mooncake`` and ``dynamic`` with ``interface_v1`` (its choice at
-``cache_controller.py:645-667``), and ``_storage_hit_query`` for the prefix that
-is in L3. What is left out is the queues and threads around them.
+``cache_controller.py:645-667``). What is left out is the queues and threads
+around them.
 """
 
 from __future__ import annotations
@@ -85,15 +85,11 @@ def local_backend(
         settings.update(file_size=max(int(size_bytes), 1 << 30), entries=8)
         with open(config, "w") as f:
             json.dump(settings | (hf3fs or {}), f)
-        return BackendConfig(
-            {"use_mock_hf3fs_client": True},
-            {"SGLANG_HICACHE_HF3FS_CONFIG_PATH": config},
-        )
+        env = {"SGLANG_HICACHE_HF3FS_CONFIG_PATH": config}
+        return BackendConfig({"use_mock_hf3fs_client": True}, env)
     if backend == "nixl":
-        return BackendConfig(
-            {"use_direct_io": False, "l3_cleaner_enabled": False},
-            {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": root},
-        )
+        extra = {"use_direct_io": False, "l3_cleaner_enabled": False}
+        return BackendConfig(extra, {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": root})
     raise ValueError(f"backend must be one of {LOCAL_BACKENDS}, got {backend!r}")
 
 
@@ -173,40 +169,18 @@ class StoragePageIO:
 
     def backup(self, hashes: list[str], host_indices: torch.Tensor) -> bool:
         """Host pages to L3; stops at the first batch that fails, as the controller does."""
-        from sglang.srt.managers.cache_controller import HiCacheController
+        from sglang.srt.managers.cache_controller import HiCacheController as C
 
-        page_set = (
-            HiCacheController._page_set_zero_copy
-            if self.zero_copy
-            else HiCacheController._generic_page_set
-        )
+        page_set = C._page_set_zero_copy if self.zero_copy else C._generic_page_set
         return all(page_set(self, k, i) for k, i in self._batches(hashes, host_indices))
-
-    def hit_query(self, tokens: list[int]) -> list[str]:
-        """The keys of the leading pages of ``tokens`` that L3 holds."""
-        from sglang.srt.managers.cache_controller import (
-            HiCacheController,
-            PrefetchOperation,
-        )
-
-        hashes, _ = HiCacheController._storage_hit_query(
-            self, PrefetchOperation("query", tokens)
-        )
-        return hashes
 
     def fetch(self, hashes: list[str], host_indices: torch.Tensor) -> int:
         """L3 pages into host pages; the number of leading pages that arrived."""
-        from sglang.srt.managers.cache_controller import (
-            HiCacheController,
-            PrefetchOperation,
-        )
+        from sglang.srt.managers.cache_controller import HiCacheController as C
+        from sglang.srt.managers.cache_controller import PrefetchOperation
 
         operation = PrefetchOperation("fetch", [])
-        page_get = (
-            HiCacheController._page_get_zero_copy
-            if self.zero_copy
-            else HiCacheController._generic_page_get
-        )
+        page_get = C._page_get_zero_copy if self.zero_copy else C._generic_page_get
         arrived = 0
         for keys, indices in self._batches(hashes, host_indices):
             hits = page_get(self, operation, keys, indices)
@@ -216,6 +190,5 @@ class StoragePageIO:
         return arrived
 
     def close(self) -> None:
-        close = getattr(self.storage_backend, "close", None)
-        if close is not None:
+        if (close := getattr(self.storage_backend, "close", None)) is not None:
             close()
