@@ -30,9 +30,10 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   strides, host head stride). For every page, layer, part and head, the
   chunk's device rows (device page number times the page stride, plus head
   and row strides) move to consecutive host bytes at host page number times
-  ``host_stride`` plus the host head stride, or back. Without a GPU every index tensor is
-  CPU-resident: int64 only, and a page that is not one aligned run refuses the
-  whole transfer before anything moves.
+  ``host_stride`` plus the host head stride, or back. Without a GPU every index
+  tensor is CPU-resident: int64 only, and a page that is not one aligned run
+  refuses the whole transfer before anything moves (the package's own
+  ``transfer.check_transfer_pages``, the check the kernel makes).
 - ``page_chunks_module(vector).staged_transfer`` (ours, ``csrc/staged_copies.cuh``):
   the same chunks through a staging ring: per chunk of ``slot_pages`` pages
   (the ring's two slots in turn, slot 1's staged pages from ``second_slot``),
@@ -274,21 +275,20 @@ class EmulatedKernels:
         GPU-resident indices run on a GPU."""
         kernels = self
 
-        def pages_of(indices, page_size, what):
-            if indices.dtype != torch.int64:
-                raise RuntimeError(f"{what}: token indices on the CPU must be int64")
-            pages = indices.view(-1, page_size)
-            starts = pages[:, 0]
-            ok = (starts >= 0) & (starts % page_size == 0)
-            ok &= pages[:, -1] == starts + page_size - 1
-            bad = (~ok).nonzero()
-            if bad.numel():
-                page = int(bad[0])
-                raise RuntimeError(
-                    f"{what}: page {page} is not one aligned run of {page_size} "
-                    f"tokens (it starts at token {int(starts[page])})"
-                )
-            return starts // page_size
+        def page_numbers(host_indices, device_indices, page_size, what):
+            """Each side's page numbers, every page of both (CPU) sides one
+            aligned run before anything moves: the package's own check of
+            what ``csrc/page_chunks.cuh`` checks (``check_transfer_pages``)."""
+            for indices in (host_indices, device_indices):
+                if indices.dtype != torch.int64:
+                    raise RuntimeError(
+                        f"{what}: token indices on the CPU must be int64"
+                    )
+            transfer.check_transfer_pages(host_indices, device_indices, page_size, what)
+            return [
+                indices[::page_size] // page_size
+                for indices in (host_indices, device_indices)
+            ]
 
         def check_shape(what, tables, refused, parts, heads, page_size, max_blocks):
             assert tables.dtype == torch.uint64 and tables.is_contiguous()
@@ -371,8 +371,9 @@ class EmulatedKernels:
                 shapes = check_shape(
                     what, tables, refused, parts, heads, page_size, max_blocks
                 )
-                host_pages = pages_of(host_indices, page_size, what)
-                device_pages = pages_of(device_indices, page_size, what)
+                host_pages, device_pages = page_numbers(
+                    host_indices, device_indices, page_size, what
+                )
                 for _ in range(0, len(device_pages), transfer_launch_pages):
                     kernels.calls.append(("page_chunks", vector))
                 move_chunks(
@@ -430,8 +431,9 @@ class EmulatedKernels:
                 shapes = check_shape(
                     what, tables, refused, parts, heads, page_size, max_blocks
                 )
-                host_pages = pages_of(host_indices, page_size, what)
-                device_pages = pages_of(device_indices, page_size, what)
+                host_pages, device_pages = page_numbers(
+                    host_indices, device_indices, page_size, what
+                )
                 for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
                     kernels.calls.append(("staged", vector))
                     hosts = host_pages[first : first + slot_pages]
