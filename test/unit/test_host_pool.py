@@ -91,6 +91,36 @@ def test_host_tokens_match_sizing(
     assert host.size * host.size_per_token == plan.host_bytes
 
 
+@pytest.mark.parametrize("layout", SERVED_LAYOUTS)
+def test_asymmetric_heads_match_sizing(cpu_kernels, layout):
+    """K and V head dims that differ (K 192, V 128): ``size`` plans what the
+    pool allocates, each side's runs at its own head dim."""
+    from sglang_mxfp8_hicache.sizing import KVPool, ModelKV
+
+    device_pool = build_device_pool(
+        head_num=4, head_dim=192, v_head_dim=128, layer_num=6, pages=2, device="cpu"
+    )
+    host = build_host_pool(
+        device_pool,
+        MHATokenToKVPoolMXFP8Host,
+        host_to_device_ratio=2.0,
+        pin_memory=False,
+        layout=layout,
+    )
+    try:
+        [plan] = host_plan(
+            ModelKV((KVPool("kv", 6, 4, 192, 128),)),
+            device_tokens=device_pool.size,
+            hicache_ratio=2.0,
+            layout=layout,
+        ).pools
+        assert host.size_per_token == plan.bytes_per_token
+        assert host.size == plan.host_tokens
+        assert plan.payload_bytes_per_token == 6 * 4 * (192 + 128)
+    finally:
+        host.destroy()
+
+
 def _kwargs(device_pool):
     return dict(
         device_capacity_tokens=device_pool.size,

@@ -18,11 +18,13 @@ from testkit import script
 
 @pytest.mark.parametrize("hicache", ["ratio", "size"])
 @pytest.mark.parametrize(
-    "setup", ["kv", "draft", "hybrid_swa", "mamba", "fp4_mx_block16"]
+    "setup",
+    ["kv", "draft", "layer_first", "hybrid_swa", "mamba", "fp4_mx_block16", "nvfp4"],
 )
 def test_size_matches_the_pools_sglang_builds(setup, hicache):
     """Each host pool SGLang's assembler builds for the setup (a dense pool,
-    packed drafts, full and SWA pools, a full pool beside Mamba state, FP4),
+    packed drafts, the layer_first layout, full and SWA pools, a full pool
+    beside Mamba state, both FP4 recipes),
     sized by ``--hicache-ratio 2`` or ``--hicache-size 1`` (shared over the
     pools by device bytes), has the bytes per token and tokens ``size`` plans."""
     ratio, size_gb = ("2.0", "0") if hicache == "ratio" else ("0", "1")
