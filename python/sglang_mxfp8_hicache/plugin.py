@@ -20,6 +20,11 @@ indices where the radix tree keeps them, on the CPU
 (``keep_host_indices_on_cpu``): a staged transfer addresses host pages from
 the CPU, and those indices would otherwise be uploaded for every transfer.
 
+On an SGLang release this package does not serve (``SUPPORTED_SGLANG_VERSIONS``)
+none of that is installed: one hook refuses a block-scaled KV cache with HiCache
+when SGLang resolves its arguments (``refuse_on_unserved_release``), and every
+other setup is left to SGLang.
+
 Environment:
     SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
 
@@ -61,11 +66,18 @@ MOVE_POOL_INDICES_HOOK_TARGET = (
     "HybridCacheController._move_pool_indices"
 )
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+"""The releases this package serves (``pyproject.toml`` only bounds SGLang
+below, so that installing it never moves a user's SGLang)."""
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
 """The first release with an MXFP8 HiCache host pool of its own; older ones
 (0.5.16-0.5.20 have the MXFP8 device pool) restore pages with stale scales."""
+FIRST_RESOLVE_ONCE = "0.5.19"
+"""The first release that resolves server arguments in ``ServerArgs.resolve_once``;
+older ones do it in ``ServerArgs.__post_init__``."""
 
 _registered = False
+_refusing = False
+"""Set once the refusal of an unserved release is registered."""
 _logged_choices: set[tuple[str, str, str]] = set()
 
 
@@ -251,30 +263,70 @@ def keep_pool_host_indices_on_cpu(
     return original(controller, host_pool, host_indices, device_indices, **kwargs)
 
 
-def _log_unsupported(found: str | None) -> None:
-    """No hook on an unsupported SGLang; on one without an MXFP8 host pool of its
-    own, that means silent scale loss, so say so as an error."""
-    supported = " / ".join(SUPPORTED_SGLANG_VERSIONS)
+def unserved_release_reason(found: str | None) -> str:
+    """Why block-scaled KV with HiCache is refused on SGLang ``found``, and
+    what to do instead."""
+    served = " / ".join(SUPPORTED_SGLANG_VERSIONS)
+    newest = SUPPORTED_SGLANG_VERSIONS[-1]
     if found is not None and _release(found) < _release(FIRST_SGLANG_MXFP8_HOST):
-        logger.error(
-            "sglang-mxfp8-hicache supports sglang %s, found %s: not installing the "
-            "block-scaled host pool hook. sglang %s has an MXFP8 KV pool but no MXFP8 HiCache "
-            "host pool: with --kv-cache-dtype mxfp8 --enable-hierarchical-cache its "
-            "host pool backs up the fp8 payload without the scales, and pages come "
-            "back with wrong scales, silently. Install sglang==%s, or run without "
-            "--enable-hierarchical-cache.",
-            supported,
-            found,
-            found,
-            SUPPORTED_SGLANG_VERSIONS[-1],
+        why = (
+            f"sglang {found} has an MXFP8 KV pool but no block-scaled HiCache "
+            "host pool: its host pool backs up the payload without the scales, "
+            "and pages come back with wrong scales, silently"
         )
-        return
-    logger.warning(
-        "sglang-mxfp8-hicache supports sglang %s, found %s; not installing the "
-        "block-scaled host pool hook (SGLang picks its own host pool).",
-        supported,
-        found,
+        instead = ""
+    else:
+        why = f"sglang {found} is not a release it is tested with"
+        instead = (
+            f", or set {DISABLE_ENV}=1 to leave the host pool to SGLang (its own "
+            "keeps MXFP8 scales in host memory only, and FP4 scales nowhere)"
+        )
+    return (
+        f"sglang-mxfp8-hicache serves block-scaled KV in HiCache on sglang "
+        f"{served}; {why}. Install sglang=={newest}, or run without "
+        f"--enable-hierarchical-cache{instead}."
     )
+
+
+def refuse_on_unserved_release(
+    result: Any, server_args: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AFTER hook on ``ServerArgs.resolve_once`` (``__post_init__`` before
+    0.5.19), registered instead of every other hook on a release this package
+    does not serve: a block-scaled KV cache with HiCache stops the launch
+    before a model loads; every other setup is left to SGLang."""
+    from sglang_mxfp8_hicache.errors import refusal_error
+    from sglang_mxfp8_hicache.geometry import FORMATS
+
+    dtype = getattr(server_args, "kv_cache_dtype", None)
+    if (
+        getattr(server_args, "enable_hierarchical_cache", False)
+        and dtype in FORMATS
+        and not _uses_mla_pool(server_args, getattr(server_args, "model_path", ""))
+    ):
+        raise refusal_error(unserved_release_reason(sglang_version()), dtype)
+    return result
+
+
+def _refuse_on_this_release(found: str | None) -> None:
+    """On an SGLang this package does not serve: no host pool hook, one log
+    line, and the refusal of block-scaled KV with HiCache at startup."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    reason = unserved_release_reason(found)
+    silent_loss = found is not None and _release(found) < _release(
+        FIRST_SGLANG_MXFP8_HOST
+    )
+    (logger.error if silent_loss else logger.warning)(
+        "%s Not installing the block-scaled host pool; a launch with a "
+        "block-scaled --kv-cache-dtype and --enable-hierarchical-cache is refused.",
+        reason,
+    )
+    resolves_once = found is None or _release(found) >= _release(FIRST_RESOLVE_ONCE)
+    target = SERVER_ARGS_HOOK_TARGET
+    if not resolves_once:
+        target = target.replace("resolve_once", "__post_init__")
+    HookRegistry.register(target, refuse_on_unserved_release, HookType.AFTER)
 
 
 def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: Any):
@@ -320,7 +372,7 @@ def _release(version: str) -> tuple[int, ...]:
 
 def register() -> None:
     """Entry point of group ``sglang.srt.plugins``; idempotent."""
-    global _registered
+    global _registered, _refusing
     if _registered:
         return
     if is_disabled():
@@ -331,7 +383,9 @@ def register() -> None:
         return
     found = sglang_version()
     if found not in SUPPORTED_SGLANG_VERSIONS:
-        _log_unsupported(found)
+        if not _refusing:
+            _refuse_on_this_release(found)
+            _refusing = True
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 

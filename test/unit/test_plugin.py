@@ -79,6 +79,7 @@ def recorded_hooks(monkeypatch):
     calls = []
     monkeypatch.setattr(HookRegistry, "register", lambda *a, **kw: calls.append(a))
     monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_refusing", False)
     monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
     return calls
 
@@ -102,29 +103,65 @@ def test_register_is_idempotent(recorded_hooks):
 
 
 @pytest.mark.parametrize(
-    "version, level, says",
+    "version, level, target, says",
     [
-        ("0.5.20", "ERROR", "back with wrong scales, silently"),
-        ("0.5.16", "ERROR", "run without --enable-hierarchical-cache"),
-        ("0.5.22", "WARNING", "SGLang picks its own host pool"),
-        ("0.6.0", "WARNING", "SGLang picks its own host pool"),
+        ("0.5.20", "ERROR", "resolve_once", "back with wrong scales, silently"),
+        ("0.5.16", "ERROR", "__post_init__", "back with wrong scales, silently"),
+        ("0.5.22", "WARNING", "resolve_once", "not a release it is tested with"),
+        ("0.6.0", "WARNING", "resolve_once", "not a release it is tested with"),
     ],
 )
-def test_register_skips_unsupported_sglang(
-    recorded_hooks, monkeypatch, caplog, version, level, says
+def test_register_refuses_on_unserved_sglang(
+    recorded_hooks, monkeypatch, caplog, version, level, target, says
 ):
-    """No hook outside the supported set; where SGLang has an MXFP8 device pool
-    but no MXFP8 host pool, an error naming the silent scale loss and both fixes."""
+    """Outside the served releases: no host pool hook, one log line naming the
+    release and the fixes, and one hook that refuses block-scaled KV with
+    HiCache where that release resolves its server arguments."""
     monkeypatch.setattr(plugin, "sglang_version", lambda: version)
     plugin.register()
-    assert recorded_hooks == []
+    plugin.register()
+    [(hooked, hook, _)] = recorded_hooks
+    assert hooked == f"sglang.srt.server_args.ServerArgs.{target}"
+    assert hook is plugin.refuse_on_unserved_release
     assert not plugin.is_registered()
     [record] = caplog.records
     assert record.levelname == level
-    assert f"found {version}" in record.getMessage()
-    assert says in record.getMessage()
-    if level == "ERROR":
-        assert "Install sglang==0.5.23" in record.getMessage()
+    message = record.getMessage()
+    assert f"sglang {version}" in message and says in message
+    assert "Install sglang==0.5.23" in message
+
+
+@pytest.mark.parametrize(
+    "dtype, hicache, refused",
+    [
+        ("mxfp8", True, True),
+        ("nvfp4", True, True),
+        ("fp4_mx_block16", True, True),
+        ("mxfp8", False, False),
+        ("fp8_e4m3", True, False),
+        ("auto", True, False),
+    ],
+)
+def test_unserved_release_refuses_block_scaled_hicache_only(
+    monkeypatch, dtype, hicache, refused
+):
+    """The refusal on an unserved release stops block-scaled KV with HiCache,
+    naming the format, and leaves every other setup to SGLang."""
+    from types import SimpleNamespace
+
+    from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+
+    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.20")
+    args = SimpleNamespace(
+        kv_cache_dtype=dtype, enable_hierarchical_cache=hicache, model_path="dummy"
+    )
+    if not refused:
+        assert plugin.refuse_on_unserved_release("result", args) == "result"
+        return
+    with pytest.raises(BlockScaledHiCacheConfigError) as error:
+        plugin.refuse_on_unserved_release("result", args)
+    assert str(error.value).startswith(f"{dtype} HiCache: sglang-mxfp8-hicache")
+    assert "sglang 0.5.20 has an MXFP8 KV pool" in str(error.value)
 
 
 def _buffer_info(**pool):

@@ -1,0 +1,131 @@
+"""The releases this package does not serve, with their real sources: SGLang
+0.5.20 (an MXFP8 KV pool, no block-scaled host pool: silent scale loss) and
+0.5.22 (its own MXFP8 host pool; not tested with this package). Each is the
+release's pure-Python tree from its wheel, run on this environment's
+dependencies (they import beside 0.5.23's); the plugin loads through SGLang's
+own ``load_plugins`` there and must refuse a block-scaled KV cache with HiCache
+when the launcher resolves its arguments, and leave everything else alone.
+Installing the package where SGLang is moves neither SGLang nor torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+RESOLVE = """
+import json
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+from sglang.version import __version__
+base = ["--model-path", "dummy", "--page-size", "128"]
+cases = {
+    "mxfp8_hicache": ["--kv-cache-dtype", "mxfp8", "--enable-hierarchical-cache"],
+    "nvfp4_hicache": ["--kv-cache-dtype", "nvfp4", "--enable-hierarchical-cache"],
+    "bf16_hicache": ["--enable-hierarchical-cache"],
+    "mxfp8_alone": ["--kv-cache-dtype", "mxfp8"],
+}
+found = {"version": __version__}
+for name, argv in cases.items():
+    try:
+        prepare_server_args(base + argv).resolve_once()
+        found[name] = None
+    except Exception as exc:
+        found[name] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="session")
+def release_source(tmp_path_factory):
+    """``sglang/`` of a release's wheel (``pip download --no-deps``), by version."""
+    trees: dict[str, Path] = {}
+
+    def source(version: str) -> Path:
+        if version not in trees:
+            where = tmp_path_factory.mktemp(f"sglang-{version}")
+            done = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q"]
+                + ["--only-binary=:all:", "-d", str(where), f"sglang=={version}"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
+            wheels = list(where.glob("sglang-*.whl"))
+            if done.returncode or not wheels:
+                pytest.skip(
+                    f"pip could not download sglang=={version}: {done.stderr[-300:]}"
+                )
+            with zipfile.ZipFile(wheels[0]) as wheel:
+                members = [n for n in wheel.namelist() if n.startswith("sglang/")]
+                wheel.extractall(where, members)
+            trees[version] = where
+        return trees[version]
+
+    return source
+
+
+@pytest.mark.parametrize(
+    "version, says",
+    [
+        ("0.5.20", "sglang 0.5.20 has an MXFP8 KV pool but no block-scaled HiCache"),
+        ("0.5.22", "sglang 0.5.22 is not a release it is tested with"),
+    ],
+)
+def test_unserved_release_refuses_at_startup(release_source, version, says):
+    env = {**os.environ, "PYTHONPATH": str(release_source(version))}
+    env.pop("SGLANG_PLUGINS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", RESOLVE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["version"] == version
+    for dtype in ("mxfp8", "nvfp4"):
+        refusal = found[f"{dtype}_hicache"]
+        assert refusal.startswith(f"BlockScaledHiCacheConfigError: {dtype} HiCache:")
+        assert says in refusal and "Install sglang==0.5.23" in refusal
+    assert found["bf16_hicache"] is None
+    assert found["mxfp8_alone"] is None
+
+
+def test_installing_the_package_leaves_sglang_where_it_is():
+    """The package bounds SGLang below only, and a dry-run install of this
+    clone into this environment (SGLang installed) installs nothing but the
+    package: neither SGLang nor its torch moves."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    [sglang] = [
+        Requirement(r)
+        for r in requires("sglang-mxfp8-hicache") or ()
+        if Requirement(r).name == "sglang"
+    ]
+    assert {spec.operator for spec in sglang.specifier} == {">="}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet"]
+        + ["--report", "-", "--no-build-isolation", "-e", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert [item["metadata"]["name"] for item in report["install"]] == [
+        "sglang-mxfp8-hicache"
+    ]
