@@ -268,7 +268,7 @@ def unserved_release_reason(found: str | None) -> str:
     what to do instead."""
     served = " / ".join(SUPPORTED_SGLANG_VERSIONS)
     newest = SUPPORTED_SGLANG_VERSIONS[-1]
-    if found is not None and _release(found) < _release(FIRST_SGLANG_MXFP8_HOST):
+    if _loses_scales(found):
         why = (
             f"sglang {found} has an MXFP8 KV pool but no block-scaled HiCache "
             "host pool: its host pool backs up the payload without the scales, "
@@ -298,14 +298,25 @@ def refuse_on_unserved_release(
     from sglang_mxfp8_hicache.errors import refusal_error
     from sglang_mxfp8_hicache.geometry import FORMATS
 
-    dtype = getattr(server_args, "kv_cache_dtype", None)
+    try:  # the arguments as SGLang resolves them (0.5.20 on)
+        from sglang.srt.arg_groups.model_override_base import resolving_view
+
+        view = resolving_view(server_args)
+    except Exception:  # the plain attributes: what the older releases resolve
+        view = server_args
+    dtype = getattr(view, "kv_cache_dtype", None)
     if (
-        getattr(server_args, "enable_hierarchical_cache", False)
+        getattr(view, "enable_hierarchical_cache", False)
         and dtype in FORMATS
-        and not _uses_mla_pool(server_args, getattr(server_args, "model_path", ""))
+        and not _uses_mla_pool(server_args, getattr(view, "model_path", ""))
     ):
         raise refusal_error(unserved_release_reason(sglang_version()), dtype)
     return result
+
+
+def _loses_scales(found: str | None) -> bool:
+    """Whether SGLang ``found`` has an MXFP8 KV pool but no block-scaled host pool."""
+    return found is not None and _release(found) < _release(FIRST_SGLANG_MXFP8_HOST)
 
 
 def _refuse_on_this_release(found: str | None) -> None:
@@ -314,10 +325,7 @@ def _refuse_on_this_release(found: str | None) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     reason = unserved_release_reason(found)
-    silent_loss = found is not None and _release(found) < _release(
-        FIRST_SGLANG_MXFP8_HOST
-    )
-    (logger.error if silent_loss else logger.warning)(
+    (logger.error if _loses_scales(found) else logger.warning)(
         "%s Not installing the block-scaled host pool; a launch with a "
         "block-scaled --kv-cache-dtype and --enable-hierarchical-cache is refused.",
         reason,
