@@ -82,7 +82,7 @@ def _serve(run, token_ids: list[int]) -> None:
         SamplingParams(max_new_tokens=1),
     )
     assert run._admit(req, []), "admission"
-    run._prefill([req])
+    run.forward.prefill([req])
 
 
 def _reproduce(run, cache, controller) -> dict:

@@ -1,0 +1,168 @@
+"""The soak's command line (``python test/soak.py``): its flags and the
+combinations it refuses, one process per rank, the figures printed as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+
+import msgspec
+import pytest
+import torch
+
+from testkit import script
+from testkit.soak.driver import Soak
+from testkit.soak.faults import FAULTS, NODE_CLIENT_TTL_S
+from testkit.soak.stacks import STACKS
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The soak's flags, with the combinations it refuses."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if reason := _refusal(args):
+        parser.error(reason)
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    package = sys.modules[__package__]
+    parser = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--write-policy",
+        choices=("write_through", "write_back", "write_through_selective"),
+        default="write_through",
+    )
+    parser.add_argument("--l3", choices=("file", "mooncake"), default=None)
+    parser.add_argument(
+        "--l3-config",
+        help="--hicache-storage-backend-extra-config (mooncake: a running store; "
+        "default: a loopback master and storage node for this run)",
+    )
+    parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
+    parser.add_argument("--stack", choices=tuple(STACKS), default="kv")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=("mxfp8", "fp4_mx_block16"), default="mxfp8"
+    )
+    parser.add_argument(
+        "--tp", type=int, choices=(1, 2), default=1, help="ranks, one process each"
+    )
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--init-file", help=argparse.SUPPRESS)
+    parser.add_argument("--core", choices=("python", "rust"), default=None)
+    parser.add_argument("--heads", type=int, default=2, help="KV heads (geometry)")
+    parser.add_argument(
+        "--l3-dir", help="the L3 file store, kept (default: a fresh one, removed)"
+    )
+    parser.add_argument(
+        "--no-l3-writes",
+        action="store_true",
+        help="store nothing: every L3 hit is another process's page",
+    )
+    parser.add_argument(
+        "--faults",
+        type=lambda text: tuple(kind for kind in text.split(",") if kind),
+        default=(),
+        help=f"comma separated, of {', '.join(FAULTS)}",
+    )
+    parser.add_argument(
+        "--payload-only",
+        action="store_true",
+        help="the control: SGLang's host pool moving the payload alone",
+    )
+    return parser
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why the soak refuses this combination of flags, if it does."""
+    faults = set(args.faults)
+    if unknown := faults - set(FAULTS):
+        return f"--faults: unknown {sorted(unknown)}"
+    if args.l3 is None and "backend_error" in faults:
+        return "--faults backend_error needs --l3"
+    if args.l3 != "file" and "file" in faults:
+        return "--faults file needs --l3 file"
+    if "node_restart" in faults and (args.l3 != "mooncake" or args.l3_config):
+        return "--faults node_restart needs --l3 mooncake of this run's own"
+    if args.stack == "hybrid_swa" and args.kv_cache_dtype != "mxfp8":
+        return "--stack hybrid_swa is built over mxfp8 pools"
+    if args.write_policy == "write_back" and args.l3 and "host_exhausted" in faults:
+        return (
+            "--write-policy write_back with --l3 and --faults host_exhausted: SGLang "
+            "0.5.23's write-back eviction cannot free a node whose subtree holds "
+            "an L3 write's host lock while the host pool is full, yet counts it "
+            "as evictable, so an admitted prefill fails with 'Prefill out of "
+            "memory' (test/sglang_write_back_oom.py reproduces it)"
+        )
+    if args.tp > 1 and args.l3 == "mooncake":
+        return "--tp 2 shares one L3 --l3 file directory; not --l3 mooncake"
+    if args.tp > 1 and "kernel_refused" in faults:
+        return "--faults kernel_refused ends one rank: run it with --tp 1"
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.tp > 1 and args.init_file is None:
+        return launch_ranks(args, argv if argv is not None else sys.argv[1:])
+    # Ranks run on the CPU (gloo, emulated kernels), as many as asked.
+    device = "cuda" if torch.cuda.is_available() and args.tp == 1 else "cpu"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if device == "cpu":
+            from testkit.kernel_emulation import install_stack_emulation
+
+            install_stack_emulation(monkeypatch)
+        with contextlib.ExitStack() as stack:
+            fresh = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-l3-"))
+            mooncake = None
+            if args.l3 == "mooncake" and args.l3_config is None:
+                from testkit.mooncake_loopback import MooncakeLoopback
+
+                ttl = NODE_CLIENT_TTL_S if "node_restart" in args.faults else None
+                mooncake = stack.enter_context(MooncakeLoopback(client_ttl_s=ttl))
+                args.l3_config = json.dumps(mooncake.extra_config())
+            soak = Soak(args, device, args.l3_dir or fresh, mooncake)
+            try:
+                figures = soak.run()
+            finally:
+                soak.close()
+    print(msgspec.json.encode(figures).decode(), flush=True)
+
+
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--tp`` processes of this script over one gloo rendezvous file and
+    one L3 directory; each prints its rank's figures, in rank order here."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="soak-ranks-") as work:
+        l3_dir = args.l3_dir or os.path.join(work, "l3")
+        os.makedirs(l3_dir, exist_ok=True)  # only rank 0 would make it
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, script("soak"), *argv, "--rank", str(rank)]
+                + ["--init-file", os.path.join(work, "rendezvous")]
+                + ([] if args.l3_dir else ["--l3-dir", l3_dir]),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(args.tp)
+        ]
+        outputs = []
+        for rank in ranks:
+            try:
+                out, _ = rank.communicate(timeout=args.seconds + 600)
+            except subprocess.TimeoutExpired:
+                for other in ranks:
+                    other.kill()
+                raise
+            outputs.append(out)
+    for out in outputs:
+        print(out.strip().splitlines()[-1] if out.strip() else "", flush=True)
+    if failed := [n for n, rank in enumerate(ranks) if rank.returncode]:
+        sys.exit(f"rank(s) {failed} failed")
