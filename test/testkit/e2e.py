@@ -87,6 +87,7 @@ L3_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_L3_CONFIG"
 mooncake and seaweedfs (a running service) and dynamic (the class); file,
 hf3fs and nixl run locally without it (``tools.l3.local_backend``)."""
 REFUSED_ATTACH = "sim"
+L3_MODEL = "e2e-model"
 L3_TIMEOUT_S = 120
 
 
@@ -422,55 +423,15 @@ def _build_mamba_stack(args: _StackArgs) -> Stack:
     layer-done counters wired as the radix cache wires them."""
     from types import SimpleNamespace
 
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
-    from sglang.srt.mem_cache.memory_pool import (
-        HybridLinearKVPool,
-        HybridReqToTokenPool,
-    )
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    pool_args = dict(args.kv_args)
-    name, device = pool_args.pop("kv_cache_dtype"), pool_args["device"]
-    full_layers = HYBRID_ATTENTION["full_attention_layer_ids"]
-    # What the configurator gives the full attention pool: its class, dtype
-    # and (FP4) quant method, as a one-page pool of the recipe shows them.
-    recipe = build_device_pool(
-        layer_num=len(full_layers), pages=1, kv_cache_dtype=name, **pool_args
-    )
+    device = args.pool_args["device"]
     mamba_layers = HYBRID_ATTENTION["swa_attention_layer_ids"]
-    req_to_token_pool = HybridReqToTokenPool(
-        size=len(SEQ_LENS),
-        mamba_size=MAMBA_SLOTS,
-        mamba_spec_state_size=len(SEQ_LENS),
-        max_context_len=4096,
-        device=device,
-        enable_memory_saver=False,
-        cache_params=Mamba2CacheParams(
-            shape=Mamba2StateShape.create(**MAMBA_SHAPE), layers=mamba_layers
-        ),
-        mamba_layer_ids=mamba_layers,
-        enable_mamba_extra_buffer=False,
-        speculative_num_draft_tokens=None,
-        enable_overlap_schedule=False,
-        start_layer=0,
-    )
-    kvcache = HybridLinearKVPool(
-        size=DEVICE_PAGES * PAGE,
-        page_size=PAGE,
-        full_attention_layer_ids=full_layers,
-        mamba_pool=req_to_token_pool.mamba_pool,
-        enable_memory_saver=False,
-        enable_kv_cache_copy=False,
-        start_layer=0,
-        use_mla=False,
-        dtype=recipe.dtype,
-        full_kv_pool_class=type(recipe),
-        quant_method=None if name == "mxfp8" else recipe.quant_method,
-        **pool_args,
-    )
+    req_to_token_pool = _mamba_request_pool(device, mamba_layers)
+    kvcache = _hybrid_linear_pool(args, req_to_token_pool.mamba_pool)
     allocator = PagedTokenToKVPoolAllocator(
         kvcache.size, PAGE, torch.int64, device, kvcache, need_sort=False
     )
@@ -506,6 +467,58 @@ def _build_mamba_stack(args: _StackArgs) -> Stack:
     )
 
 
+def _mamba_request_pool(device: str, mamba_layers: list[int]):
+    """SGLang's request pool for a hybrid Mamba model, with its Mamba2 state
+    pool (``MAMBA_SHAPE``, ``MAMBA_SLOTS`` slots) for ``mamba_layers``."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    return HybridReqToTokenPool(
+        size=len(SEQ_LENS),
+        mamba_size=MAMBA_SLOTS,
+        mamba_spec_state_size=len(SEQ_LENS),
+        max_context_len=4096,
+        device=device,
+        enable_memory_saver=False,
+        cache_params=Mamba2CacheParams(
+            shape=Mamba2StateShape.create(**MAMBA_SHAPE), layers=mamba_layers
+        ),
+        mamba_layer_ids=mamba_layers,
+        enable_mamba_extra_buffer=False,
+        speculative_num_draft_tokens=None,
+        enable_overlap_schedule=False,
+        start_layer=0,
+    )
+
+
+def _hybrid_linear_pool(args: _StackArgs, mamba_pool):
+    """The ``HybridLinearKVPool`` over the full attention layers, of the
+    class, dtype and (FP4) quant method the configurator gives them, as a
+    one-page pool of the recipe shows them."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    pool_args = dict(args.kv_args)
+    name = pool_args.pop("kv_cache_dtype")
+    full_layers = HYBRID_ATTENTION["full_attention_layer_ids"]
+    recipe = build_device_pool(
+        layer_num=len(full_layers), pages=1, kv_cache_dtype=name, **pool_args
+    )
+    return HybridLinearKVPool(
+        size=DEVICE_PAGES * PAGE,
+        page_size=PAGE,
+        full_attention_layer_ids=full_layers,
+        mamba_pool=mamba_pool,
+        enable_memory_saver=False,
+        enable_kv_cache_copy=False,
+        start_layer=0,
+        use_mla=False,
+        dtype=recipe.dtype,
+        full_kv_pool_class=type(recipe),
+        quant_method=None if name == "mxfp8" else recipe.quant_method,
+        **pool_args,
+    )
+
+
 def run(
     mode: str, l3: str | None = None, setup: str = "kv", device: str = "cuda"
 ) -> dict:
@@ -521,21 +534,10 @@ def run(
     import torch.distributed as dist
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
     from sglang.srt.runtime_context import reset_context
 
     if mode == "plain":
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-        from sglang_mxfp8_hicache.geometry import is_packed_fp4
-
-        # What SGLang 0.5.16-0.5.20 pick for an MXFP8 pool (and what an FP4
-        # pool gets where it reports no scales). Patched where the assembler
-        # looks the selector up.
-        hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: (
-            PayloadOnlyHost if is_packed_fp4(info) else MHATokenToKVPoolHost
-        )
-
+        _use_payload_only_hosts()
     _publish(setup)
     dist.init_process_group(
         "gloo", init_method=f"tcp://{HOST}:{free_ports(1)[0]}", world_size=1, rank=0
@@ -570,6 +572,20 @@ def run(
     return verdict
 
 
+def _use_payload_only_hosts() -> None:
+    """What SGLang 0.5.16-0.5.20 pick for an MXFP8 pool (and what an FP4 pool
+    gets where it reports no scales). Patched where the assembler looks the
+    selector up."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from sglang_mxfp8_hicache.geometry import is_packed_fp4
+
+    hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: (
+        PayloadOnlyHost if is_packed_fp4(info) else MHATokenToKVPoolHost
+    )
+
+
 class _Sequences:
     """The test sequences' device slots in each index space: whole pages of
     tokens, and one Mamba state slot per sequence (one radix node each)."""
@@ -597,10 +613,43 @@ class _Sequences:
 
 
 def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
-
+    """The run's steps over a built stack: write real KV, back it up through
+    the controller, clobber the device and load it into other pages, judge
+    what came back; with ``l3``, then to L3 and back (``_exercise_l3``)."""
     gen = torch.Generator(device=device).manual_seed(1234)
-    # 1. Real block-scaled KV, written by SGLang's own quantize-and-store path.
     src = _Sequences(stack)
+    write_path, bf16 = _write_kv(stack, src, RadixAttention, gen)
+    fill_random(stack.state, gen)
+    synchronize(device)
+    judge = _Judge(stack, gen, device, _snapshot(stack, src), _dequantized(stack, src))
+    quant_ok = bool(bf16) and _quantized_within_error(stack, src, bf16, judge)
+    host_indices = _back_up(stack, src)
+    # Other device pages for the load (the originals are still allocated),
+    # every byte of the device pools overwritten, then the load.
+    verdict = {
+        "write_path": write_path,
+        "quantized_within_error": quant_ok,
+        **judge.load(host_indices),
+    }
+    src.free(stack)
+    digest = hashlib.sha256()
+    for tensor in verdict.pop("restored"):
+        digest.update(tensor.cpu().numpy().tobytes())
+    verdict["restored_sha256"] = digest.hexdigest()
+    kv_hosts = [h["kv"] for h in host_indices]
+    if l3 is not None:  # it evicts the pages from L2 itself
+        verdict["l3"] = _exercise_l3(l3, stack.controller, kv_hosts, judge.load)
+    else:
+        for host in kv_hosts:
+            stack.controller.evict_host(host)
+    return verdict
+
+
+def _write_kv(stack: Stack, src: _Sequences, RadixAttention, gen):
+    """Step 1: real block-scaled KV at ``src``'s tokens, written by SGLang's
+    own quantize-and-store path (``set_kv_buffer``) from random bf16 K and V;
+    where that fails, random payload and valid scales, the reason kept. How
+    it was written, and the bf16 K and V of each layer (none if random)."""
     write_path = (
         "set_kv_buffer (SGLang's fused MXFP8 quantize and store, Triton)"
         if not _quant_method(stack.layers[0].pool)
@@ -615,7 +664,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
             )
             k, v = (
                 torch.randn(
-                    len(slots), KV_HEADS, HEAD_DIM, generator=gen, device=device
+                    len(slots), KV_HEADS, HEAD_DIM, generator=gen, device=gen.device
                 )
                 .mul_(3.0)
                 .to(torch.bfloat16)
@@ -624,56 +673,63 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
             d.pool.set_kv_buffer(layer, slots, k, v)
             bf16.append((k, v))
     except Exception as exc:  # the fallback the issue allows, with the reason kept
-        write_path = f"random payload and valid scales (set_kv_buffer failed: {exc!r})"
-        bf16 = []
-        for pool in stack.device_pools:
-            for buf in (*pool.k_buffer, *pool.v_buffer):
-                _u8(buf).copy_(_randint(0, 0x7E, buf.shape, gen))
-            # UE8M0 exponents 2^-27..2^12; nvfp4's e4m3 scales 2^-4..2^3
-            # (random e4m3 bytes include NaN, 0x7F).
-            method = _quant_method(pool)
-            low, high = (
-                (0x20, 0x58) if method and method.name == "nvfp4" else (100, 140)
-            )
-            for buf in (*pool.k_scale_buffer, *pool.v_scale_buffer):
-                _u8(buf).copy_(_randint(low, high, buf.shape, gen))
-    fill_random(stack.state, gen)
-    synchronize(device)
+        _write_random_kv(stack, gen)
+        return f"random payload and valid scales (set_kv_buffer failed: {exc!r})", []
+    return write_path, bf16
 
-    def snapshot(seqs: _Sequences) -> list[torch.Tensor]:
-        """[K, V, K scales, V scales] of each layer at ``seqs``' slots."""
-        out = []
-        for d in stack.layers:
-            slots = seqs.all(d.space)
-            pages = slots[::PAGE] // PAGE
-            page_num = d.pool.k_buffer[d.layer].shape[0] // PAGE
-            out += [
-                _u8(buf[d.layer])[slots].clone()
-                for buf in (d.pool.k_buffer, d.pool.v_buffer)
-            ]
-            out += [
-                _u8(buf[d.layer]).reshape(page_num, -1)[pages].clone()
-                for buf in (d.pool.k_scale_buffer, d.pool.v_scale_buffer)
-            ]
-        if stack.state:  # then each Mamba state tensor's (layers, slots) rows
-            slots = seqs.all("mamba")
-            out += [_u8(t[:, slots]).clone() for t in stack.state]
-        return out
 
-    def dequantized(seqs: _Sequences) -> list[torch.Tensor]:
-        return [
-            dequantize_slots(d, side, seqs.written(d.space))
-            for d in stack.layers
-            for side in "kv"
+def _write_random_kv(stack: Stack, gen) -> None:
+    """Random payload bytes and scale bytes of the recipe's valid range."""
+    for pool in stack.device_pools:
+        for buf in (*pool.k_buffer, *pool.v_buffer):
+            _u8(buf).copy_(_randint(0, 0x7E, buf.shape, gen))
+        # UE8M0 exponents 2^-27..2^12; nvfp4's e4m3 scales 2^-4..2^3
+        # (random e4m3 bytes include NaN, 0x7F).
+        method = _quant_method(pool)
+        low, high = (0x20, 0x58) if method and method.name == "nvfp4" else (100, 140)
+        for buf in (*pool.k_scale_buffer, *pool.v_scale_buffer):
+            _u8(buf).copy_(_randint(low, high, buf.shape, gen))
+
+
+def _snapshot(stack: Stack, seqs: _Sequences) -> list[torch.Tensor]:
+    """[K, V, K scales, V scales] of each layer at ``seqs``' slots, then each
+    Mamba state tensor's (layers, slots) rows."""
+    out = []
+    for d in stack.layers:
+        slots = seqs.all(d.space)
+        pages = slots[::PAGE] // PAGE
+        page_num = d.pool.k_buffer[d.layer].shape[0] // PAGE
+        out += [
+            _u8(buf[d.layer])[slots].clone()
+            for buf in (d.pool.k_buffer, d.pool.v_buffer)
         ]
+        out += [
+            _u8(buf[d.layer]).reshape(page_num, -1)[pages].clone()
+            for buf in (d.pool.k_scale_buffer, d.pool.v_scale_buffer)
+        ]
+    if stack.state:
+        slots = seqs.all("mamba")
+        out += [_u8(t[:, slots]).clone() for t in stack.state]
+    return out
 
-    original = snapshot(src)
-    original_kv = dequantized(src)
-    quant_ok = bool(bf16) and all(
+
+def _dequantized(stack: Stack, seqs: _Sequences) -> list[torch.Tensor]:
+    """K then V of each layer at ``seqs``' tokens, dequantized."""
+    return [
+        dequantize_slots(d, side, seqs.written(d.space))
+        for d in stack.layers
+        for side in "kv"
+    ]
+
+
+def _quantized_within_error(stack: Stack, src: _Sequences, bf16, judge) -> bool:
+    """Whether ``set_kv_buffer``'s quantization of the bf16 K and V is within
+    its rounding error, every layer and side."""
+    return all(
         within_quantization_error(
             d,
             x.float(),
-            original_kv[2 * n + side],
+            judge.original_kv[2 * n + side],
             scales[d.layer],
             src.written(d.space),
         )
@@ -683,9 +739,13 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         )
     )
 
-    # 2. Write back through the controller (write-through: submitted at once).
+
+def _back_up(stack: Stack, src: _Sequences) -> list[dict]:
+    """Step 2: each sequence written back through the controller
+    (write-through: submitted at once), waited for; per sequence, the host
+    indices of each index space."""
     controller = stack.controller
-    host_indices = []  # per sequence: {space: host indices}
+    host_indices = []
     for n in range(len(src.lengths)):
         side = _side_transfers(stack, src, n)
         kv_host = controller.write(
@@ -706,44 +766,39 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
         )
     while controller.ack_write_queue:
         controller.ack_write_queue.pop(0).finish_event.synchronize()
+    return host_indices
 
-    def load_and_judge(hosts: list[dict]) -> dict:
+
+@dataclass
+class _Judge:
+    """What the stack held after the write, to judge every load against."""
+
+    stack: Stack
+    gen: torch.Generator
+    device: str
+    original: list[torch.Tensor]
+    """``_snapshot`` of the written sequences."""
+    original_kv: list[torch.Tensor]
+    """``_dequantized`` of the written sequences."""
+
+    def load(self, hosts: list[dict]) -> dict:
         """Overwrite the device, load ``hosts`` into new device pages through
         the controller; what came back, against the originals."""
+        stack = self.stack
         dst = _Sequences(stack)
-        result = _load_and_compare(stack, hosts, dst, gen, device)
-        result["restored"] = snapshot(dst)
-        restored_kv = dequantized(dst)
+        result = _load_and_compare(stack, hosts, dst, self.gen, self.device)
+        result["restored"] = _snapshot(stack, dst)
+        restored_kv = _dequantized(stack, dst)
         diffs = [
             (a - b).abs().nan_to_num(nan=NOT_FINITE, posinf=NOT_FINITE).max().item()
-            for a, b in zip(restored_kv, original_kv, strict=True)
+            for a, b in zip(restored_kv, self.original_kv, strict=True)
         ]
         dst.free(stack)
         return {
-            **_restored_flags(result["restored"], original, 4 * len(stack.layers)),
+            **_restored_flags(result["restored"], self.original, 4 * len(stack.layers)),
             "dequantized_max_diff": max(diffs),
             **result,
         }
-
-    # 3. Other device pages for the load (the originals are still allocated),
-    #    every byte of the device pools overwritten, then the load.
-    verdict = {
-        "write_path": write_path,
-        "quantized_within_error": quant_ok,
-        **load_and_judge(host_indices),
-    }
-    src.free(stack)
-    digest = hashlib.sha256()
-    for tensor in verdict.pop("restored"):
-        digest.update(tensor.cpu().numpy().tobytes())
-    verdict["restored_sha256"] = digest.hexdigest()
-    kv_hosts = [h["kv"] for h in host_indices]
-    if l3 is not None:  # it evicts the pages from L2 itself
-        verdict["l3"] = _exercise_l3(l3, controller, kv_hosts, load_and_judge)
-    else:
-        for host in kv_hosts:
-            controller.evict_host(host)
-    return verdict
 
 
 def _side_transfers(
@@ -801,15 +856,26 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     """Overwrite every device byte, load ``hosts`` into ``dst`` through the
     controller, waiting layer by layer on its events; whether every other
     device page kept its bytes."""
-
-    controller = stack.controller
-    pools = stack.device_pools
-    for pool in pools:
+    for pool in stack.device_pools:
         fill_random(device_buffers(pool), gen)
     fill_random(stack.state, gen)
     synchronize(device)
-    kept = []  # per pool: its pages outside the load, and their bytes now
-    for pool in pools:
+    kept = _outside(stack, dst, device)
+    _load(stack, hosts, dst)
+    synchronize(device)
+    untouched = all(
+        torch.equal(r[mask], before)
+        for rows, mask, befores in kept
+        for r, before in zip(rows, befores, strict=True)
+    )
+    return {"untouched_pages_kept": untouched}
+
+
+def _outside(stack: Stack, dst: _Sequences, device) -> list[tuple]:
+    """Per pool, then for the Mamba state: its rows (views), the mask of the
+    pages (or state slots) outside ``dst``, and their bytes now."""
+    kept = []
+    for pool in stack.device_pools:
         space = next(d.space for d in stack.layers if d.pool is pool)
         page_num = pool.k_buffer[0].shape[0] // PAGE
         untouched = torch.ones(page_num, dtype=torch.bool, device=device)
@@ -822,7 +888,13 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
         untouched[dst.all("mamba")] = False
         rows = [_u8(t).transpose(0, 1) for t in stack.state]  # views, slot first
         kept.append((rows, untouched, [r[untouched].clone() for r in rows]))
-    # 4. Load through the controller, layer by layer, on its completion events.
+    return kept
+
+
+def _load(stack: Stack, hosts: list[dict], dst: _Sequences) -> None:
+    """Step 4: ``hosts`` loaded into ``dst`` through the controller, layer by
+    layer, on its completion events, as the attention layers consume them."""
+    controller = stack.controller
     for n, host in enumerate(hosts):
         side = _side_transfers(stack, dst, n, host)
         loaded = controller.load(
@@ -845,13 +917,6 @@ def _load_and_compare(stack: Stack, hosts: list[dict], dst: _Sequences, gen, dev
     while controller.ack_load_queue:
         controller.ack_load_queue.pop(0).finish_event.synchronize()
     controller.layer_done_counter.set_consumer(-1)
-    synchronize(device)
-    untouched = all(
-        torch.equal(r[mask], before)
-        for rows, mask, befores in kept
-        for r, before in zip(rows, befores, strict=True)
-    )
-    return {"untouched_pages_kept": untouched}
 
 
 def _l3_backend(backend: str) -> BackendConfig:
@@ -871,60 +936,24 @@ def _l3_backend(backend: str) -> BackendConfig:
     return local_backend(backend, tempfile.mkdtemp(prefix=f"mxfp8-l3-{backend}-"))
 
 
-def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
-    """L2 pages to L3 and back through the controller's storage threads."""
-    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    from sglang_mxfp8_hicache.host_pool import BlockScaledHiCacheConfigError
-
-    model = "e2e-model"
-    local = _l3_backend(backend)
-    # Runtime attach, SGLang's admin path: a refused backend first.
-    try:
-        controller.attach_storage_backend(REFUSED_ATTACH, model_name=model)
-        refused = f"{REFUSED_ATTACH} was attached"
-    except BlockScaledHiCacheConfigError as exc:
-        refused = str(exc)
-    refusal_clean = not controller.enable_storage
-    with local.environment():  # the backend reads it when it is built
-        controller.attach_storage_backend(
-            backend,
-            model_name=model,
-            storage_backend_extra_config=dict(local.extra_config),
-        )
+def _exercise_l3(backend, controller, host_indices, load) -> dict:
+    """L2 pages to L3 and back through the controller's storage threads,
+    then loaded to the device by ``load`` (``_Judge.load``) and judged."""
+    refused, refusal_clean = _attach_l3(controller, backend)
     all_host = torch.cat(host_indices)
     tokens = torch.randint(
         0, 1 << 20, (len(all_host),), generator=torch.Generator().manual_seed(7)
     ).tolist()
-    hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
-    # 5. L2 -> L3 through the backup thread.
-    controller.write_storage(all_host, tokens, hash_value=hashes)
-    backup = controller.ack_backup_queue.get(timeout=L3_TIMEOUT_S)
-    stored_tokens = backup.completed_tokens
+    hashes, stored_tokens = _store(controller, all_host, tokens)
     # 6. Out of L2: host pages freed and every host byte overwritten.
     for host in host_indices:
         controller.evict_host(host)
     host_pool = controller.storage_host_pool
     fill_random([host_page_rows(host_pool)], torch.Generator().manual_seed(8))
-    # 7. L3 -> L2: the hit query, the host allocation the radix cache makes,
-    #    then the prefetch I/O thread.
-    controller.prefetch(CacheRequestHandle(rid="e2e-l3", attempt_id=0), tokens)
-    hit = controller.prefetch_hit_queue.get(timeout=L3_TIMEOUT_S)
-    hit_tokens = hit.storage_hit_count
-    fetched_host = controller.alloc_prefetch_host_buffers(hit, hit_tokens)
-    hit.host_indices = fetched_host
-    controller.prefetch_buffer.put(hit)
-    fetched_tokens = 0
-    while True:
-        ack = controller.ack_prefetch_queue.get(timeout=L3_TIMEOUT_S)
-        if ack.completed_tokens is not None:
-            fetched_tokens = ack.completed_tokens
-        if ack.completed_req:
-            break
+    hit_tokens, fetched_host, fetched_tokens = _fetch(controller, tokens)
     # 8. L2 -> device, into yet other pages; compare with the first originals.
     lengths = [len(h) for h in host_indices]
-    judged = load_and_judge([{"kv": h} for h in fetched_host.split(lengths)])
+    judged = load([{"kv": h} for h in fetched_host.split(lengths)])
     judged.pop("restored")
     controller.evict_host(fetched_host)
     controller.detach_storage_backend()
@@ -939,6 +968,61 @@ def _exercise_l3(backend, controller, host_indices, load_and_judge) -> dict:
         "fetched_tokens": fetched_tokens,
         **judged,
     }
+
+
+def _attach_l3(controller, backend: str) -> tuple[str, bool]:
+    """Runtime attach, SGLang's admin path: a refused backend first, then
+    ``backend``. Why the first was refused, and whether the refusal left the
+    controller without storage."""
+    from sglang_mxfp8_hicache.host_pool import BlockScaledHiCacheConfigError
+
+    local = _l3_backend(backend)
+    try:
+        controller.attach_storage_backend(REFUSED_ATTACH, model_name=L3_MODEL)
+        refused = f"{REFUSED_ATTACH} was attached"
+    except BlockScaledHiCacheConfigError as exc:
+        refused = str(exc)
+    refusal_clean = not controller.enable_storage
+    with local.environment():  # the backend reads it when it is built
+        controller.attach_storage_backend(
+            backend,
+            model_name=L3_MODEL,
+            storage_backend_extra_config=dict(local.extra_config),
+        )
+    return refused, refusal_clean
+
+
+def _store(controller, all_host: torch.Tensor, tokens: list[int]):
+    """Step 5: L2 -> L3 through the backup thread. The pages' hashes, and
+    how many tokens it stored."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    hashes = get_storage_hash_str(tokens, None, page_size=PAGE)
+    controller.write_storage(all_host, tokens, hash_value=hashes)
+    backup = controller.ack_backup_queue.get(timeout=L3_TIMEOUT_S)
+    return hashes, backup.completed_tokens
+
+
+def _fetch(controller, tokens: list[int]):
+    """Step 7: L3 -> L2: the hit query, the host allocation the radix cache
+    makes, then the prefetch I/O thread. Tokens hit, the host indices
+    fetched into, and tokens fetched."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    controller.prefetch(CacheRequestHandle(rid="e2e-l3", attempt_id=0), tokens)
+    hit = controller.prefetch_hit_queue.get(timeout=L3_TIMEOUT_S)
+    hit_tokens = hit.storage_hit_count
+    fetched_host = controller.alloc_prefetch_host_buffers(hit, hit_tokens)
+    hit.host_indices = fetched_host
+    controller.prefetch_buffer.put(hit)
+    fetched_tokens = 0
+    while True:
+        ack = controller.ack_prefetch_queue.get(timeout=L3_TIMEOUT_S)
+        if ack.completed_tokens is not None:
+            fetched_tokens = ack.completed_tokens
+        if ack.completed_req:
+            break
+    return hit_tokens, fetched_host, fetched_tokens
 
 
 STACK_BUILDERS: dict[str, Callable[[_StackArgs], Stack]] = {
