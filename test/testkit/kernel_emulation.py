@@ -93,12 +93,30 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8)
 
 
-class EmulatedKernels:
-    """The hicache.py entry points our path and the base class use, on CPU."""
+class _RowCopies:
+    """What every emulation shares: the pointer map its tables resolve
+    against, the launches it made (``calls``: name and element size or
+    vector), and the byte copy they all come down to."""
 
     def __init__(self, pointers: PointerMap) -> None:
         self.pointers = pointers
         self.calls: list[tuple[str, int]] = []
+
+    def _copy_rows(self, src_bases, dst_bases, src_offsets, dst_offsets, row_bytes):
+        """Per layer: row_bytes from src_bases[l] + src_offsets[i] to dst_bases[l] + dst_offsets[i]."""
+        span = torch.arange(row_bytes)
+        for src_address, dst_address in zip(src_bases, dst_bases, strict=True):
+            src, src_base = self.pointers.locate(src_address)
+            dst, dst_base = self.pointers.locate(dst_address)
+            dst[dst_base + dst_offsets[:, None] + span] = src[
+                src_base + src_offsets[:, None] + span
+            ]
+
+
+class SGLangDirectCopies(_RowCopies):
+    """SGLang's direct copies (``hicache.cuh``): the all-layer copy through
+    pointer tables (K and V, or MLA's one table), the JIT module's
+    ``launch_all``, and the one-layer copy."""
 
     @staticmethod
     def can_use_hicache_jit_kernel(
@@ -107,62 +125,6 @@ class EmulatedKernels:
         # The register kernel's rule; TMA is off unless SGLANG_HICACHE_TMA_TRANSFER.
         unroll = unroll or hicache_jit._default_unroll(element_size)
         return hicache_jit._tiles_across_lanes(element_size, unroll)
-
-    @staticmethod
-    def can_use_write_back_jit_kernel(
-        *, element_size, unroll=None, block_quota=None
-    ) -> bool:
-        return element_size % 16 == 0
-
-    def transfer_hicache_all_layer_staged_lf_pf(
-        self,
-        k_ptr_src,
-        v_ptr_src,
-        src_indices,
-        dst_indices,
-        staging_k,
-        staging_v,
-        dst_k,
-        dst_v,
-        *,
-        page_size,
-        element_size=None,
-        unroll=None,
-        block_quota=None,
-    ) -> None:
-        element_size = (
-            element_size or staging_k[0, 0].numel() * staging_k.element_size()
-        )
-        self.calls.append(("staged_write_back", element_size))
-        assert element_size % 16 == 0, "element size must be 16-byte aligned"
-        assert dst_indices.device.type == "cpu" and dst_indices.dtype == torch.int64
-        assert src_indices.dtype in (torch.int32, torch.int64)
-        layer_num = staging_k.shape[1]
-        assert k_ptr_src.dtype == torch.uint64 and k_ptr_src.numel() == layer_num
-        src_pages = src_indices[::page_size].tolist()
-        capacity = staging_k.shape[0] // page_size
-        for begin in range(0, len(src_pages), capacity):
-            chunk = src_pages[begin : begin + capacity]
-            tokens = len(chunk) * page_size
-            chunk_dst = dst_indices[begin * page_size : begin * page_size + tokens]
-            assert chunk_dst.numel() == tokens, "staging token count mismatch"
-            for ptrs, staging, dst in (
-                (k_ptr_src, staging_k, dst_k),
-                (v_ptr_src, staging_v, dst_v),
-            ):
-                staged = _bytes(staging[:tokens]).view(tokens, layer_num, element_size)
-                for layer, address in enumerate(ptrs.tolist()):
-                    rows = self.pointers.rows(address, element_size)
-                    for p, first in enumerate(chunk):
-                        staged[p * page_size : (p + 1) * page_size, layer] = rows[
-                            first : first + page_size
-                        ]
-                host = _bytes(dst).view(dst.shape[0], layer_num, element_size)
-                for p in range(len(chunk)):
-                    first = int(chunk_dst[p * page_size])
-                    host[first : first + page_size] = staged[
-                        p * page_size : (p + 1) * page_size
-                    ]
 
     def transfer_hicache_all_layer(
         self,
@@ -196,16 +158,6 @@ class EmulatedKernels:
                 dst_stride=kv_cache_dst_stride_bytes,
                 element_size=element_size,
             )
-
-    def _copy_rows(self, src_bases, dst_bases, src_offsets, dst_offsets, row_bytes):
-        """Per layer: row_bytes from src_bases[l] + src_offsets[i] to dst_bases[l] + dst_offsets[i]."""
-        span = torch.arange(row_bytes)
-        for src_address, dst_address in zip(src_bases, dst_bases, strict=True):
-            src, src_base = self.pointers.locate(src_address)
-            dst, dst_base = self.pointers.locate(dst_address)
-            dst[dst_base + dst_offsets[:, None] + span] = src[
-                src_base + src_offsets[:, None] + span
-            ]
 
     def transfer_hicache_all_layer_mla(
         self,
@@ -267,199 +219,6 @@ class EmulatedKernels:
             element_size,
         )
 
-    def page_chunks_module(self, vector: int):
-        """Ours (``csrc/page_chunks.cuh``, ``csrc/staged_copies.cuh``). Without
-        a GPU every index tensor is CPU-resident: int64, every page checked
-        (first and last token) before anything moves, and its page numbers
-        passed by value, 128 pages a launch. The in-kernel checks of
-        GPU-resident indices run on a GPU."""
-        kernels = self
-
-        def page_numbers(host_indices, device_indices, page_size, what):
-            """Each side's page numbers, every page of both (CPU) sides one
-            aligned run before anything moves: the package's own check of
-            what ``csrc/page_chunks.cuh`` checks (``check_transfer_pages``)."""
-            for indices in (host_indices, device_indices):
-                if indices.dtype != torch.int64:
-                    raise RuntimeError(
-                        f"{what}: token indices on the CPU must be int64"
-                    )
-            transfer.check_transfer_pages(host_indices, device_indices, page_size, what)
-            return [
-                indices[::page_size] // page_size
-                for indices in (host_indices, device_indices)
-            ]
-
-        def check_shape(what, tables, refused, parts, heads, page_size, max_blocks):
-            assert tables.dtype == torch.uint64 and tables.is_contiguous()
-            assert tables.dim() == 2 and tables.shape[1] == 2 * 4
-            assert parts.dtype == torch.int64 and parts.device.type == "cpu"
-            assert tuple(parts.shape) == (4, 6)
-            assert refused.dtype == torch.int64 and refused.numel() == 2
-            if page_size <= 0 or max_blocks <= 0 or heads <= 0:
-                raise RuntimeError(
-                    f"{what}: page_size, heads and max_blocks must be positive"
-                )
-            shapes = parts.tolist()
-            for part, (size, row_bytes, *_) in enumerate(shapes):
-                if size % row_bytes or row_bytes % vector:
-                    raise RuntimeError(
-                        f"{what}: part {part} is not whole rows of whole vectors"
-                    )
-            return shapes
-
-        def check_indices(what, host_indices, device_indices, page_size):
-            for indices in (host_indices, device_indices):
-                assert indices.dtype in (torch.int32, torch.int64)
-                assert indices.dim() == 1 and indices.is_contiguous()
-            if host_indices.numel() != device_indices.numel():
-                raise RuntimeError(f"{what}: index lengths differ")
-            if device_indices.numel() % page_size:
-                raise RuntimeError(
-                    f"{what}: {device_indices.numel()} token indices are not "
-                    f"whole pages of {page_size}"
-                )
-
-        def move_chunks(
-            tables, shapes, heads, host_pages, device_pages, host_stride, to_host
-        ):
-            """page_chunks_kernel: every (page, layer, part, head) chunk."""
-            for bases in tables.tolist():
-                for part, shape in enumerate(shapes):
-                    size, row_bytes, page_stride, head_stride, row_stride, host_head = (
-                        shape
-                    )
-                    rows = torch.arange(size // row_bytes)
-                    for head in range(heads):
-                        device = (
-                            [bases[part]],
-                            (
-                                device_pages[:, None] * page_stride
-                                + head * head_stride
-                                + rows * row_stride
-                            ).reshape(-1),
-                        )
-                        host = (
-                            [bases[4 + part]],
-                            (
-                                host_pages[:, None] * host_stride
-                                + head * host_head
-                                + rows * row_bytes
-                            ).reshape(-1),
-                        )
-                        (src, src_off), (dst, dst_off) = (
-                            (device, host) if to_host else (host, device)
-                        )
-                        kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
-
-        class Module:
-            @staticmethod
-            def transfer(
-                tables,
-                refused,
-                host_indices,
-                device_indices,
-                parts,
-                heads,
-                host_stride,
-                page_size,
-                to_host,
-                max_blocks,
-            ) -> None:
-                what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                check_indices(what, host_indices, device_indices, page_size)
-                shapes = check_shape(
-                    what, tables, refused, parts, heads, page_size, max_blocks
-                )
-                host_pages, device_pages = page_numbers(
-                    host_indices, device_indices, page_size, what
-                )
-                for _ in range(0, len(device_pages), transfer_launch_pages):
-                    kernels.calls.append(("page_chunks", vector))
-                move_chunks(
-                    tables,
-                    shapes,
-                    heads,
-                    host_pages,
-                    device_pages,
-                    host_stride,
-                    to_host,
-                )
-
-            @staticmethod
-            def create_lanes(handle, lanes) -> None:
-                assert handle.dtype == torch.int64 and handle.numel() == 1
-                assert 1 <= lanes <= 8, "1 to 8 copy lanes"
-                handle[0] = 1
-
-            @staticmethod
-            def staged_transfer(
-                tables,
-                refused,
-                host_indices,
-                device_indices,
-                parts,
-                heads,
-                page_size,
-                stage_base,
-                stage_stride,
-                slot_pages,
-                second_slot,
-                pieces,
-                host_base,
-                host_stride,
-                lanes,
-                to_host,
-                max_blocks,
-            ) -> None:
-                """Per chunk of ``slot_pages`` pages, alternating between the
-                ring's two slots: a backup gathers the chunks into staged pages
-                then copies each piece to its host page; a load copies the
-                pieces in, then scatters."""
-                what = "block-scaled HiCache " + ("backup" if to_host else "load")
-                assert host_indices.device.type == "cpu"
-                assert host_indices.dtype == torch.int64, "host indices: CPU int64"
-                assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
-                if (
-                    slot_pages <= 0
-                    or second_slot < slot_pages
-                    or stage_stride <= 0
-                    or not lanes
-                ):
-                    raise RuntimeError(f"{what}: no staging ring")
-                check_indices(what, host_indices, device_indices, page_size)
-                shapes = check_shape(
-                    what, tables, refused, parts, heads, page_size, max_blocks
-                )
-                host_pages, device_pages = page_numbers(
-                    host_indices, device_indices, page_size, what
-                )
-                for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
-                    kernels.calls.append(("staged", vector))
-                    hosts = host_pages[first : first + slot_pages]
-                    devices = device_pages[first : first + slot_pages]
-                    staged = torch.arange(len(hosts)) + chunk % 2 * second_slot
-
-                    def copy_pieces(to_host=to_host, hosts=hosts, staged=staged):
-                        """Each piece of every staged page, to or from its host page."""
-                        for host_off, staged_off, size in pieces.tolist():
-                            host = ([host_base], hosts * host_stride + host_off)
-                            stage = ([stage_base], staged * stage_stride + staged_off)
-                            (src, src_off), (dst, dst_off) = (
-                                (stage, host) if to_host else (host, stage)
-                            )
-                            kernels._copy_rows(src, dst, src_off, dst_off, size)
-
-                    if not to_host:
-                        copy_pieces()
-                    move_chunks(
-                        tables, shapes, heads, staged, devices, stage_stride, to_host
-                    )
-                    if to_host:
-                        copy_pieces()
-
-        return Module()
-
     def _jit_hicache_module(self, *, element_size, unroll, block_quota):
         kernels = self
 
@@ -505,6 +264,263 @@ class EmulatedKernels:
             src_rows = _bytes(src.view(-1, element_dim))
             dst_rows = _bytes(dst.view(-1, element_dim))
             dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
+
+
+class SGLangStagedWriteBack(_RowCopies):
+    """SGLang's staged write-back (``staged_write_back.cuh``): device pages
+    gathered through a staging buffer, then copied whole to the host."""
+
+    @staticmethod
+    def can_use_write_back_jit_kernel(
+        *, element_size, unroll=None, block_quota=None
+    ) -> bool:
+        return element_size % 16 == 0
+
+    def transfer_hicache_all_layer_staged_lf_pf(
+        self,
+        k_ptr_src,
+        v_ptr_src,
+        src_indices,
+        dst_indices,
+        staging_k,
+        staging_v,
+        dst_k,
+        dst_v,
+        *,
+        page_size,
+        element_size=None,
+        unroll=None,
+        block_quota=None,
+    ) -> None:
+        element_size = (
+            element_size or staging_k[0, 0].numel() * staging_k.element_size()
+        )
+        self.calls.append(("staged_write_back", element_size))
+        assert element_size % 16 == 0, "element size must be 16-byte aligned"
+        assert dst_indices.device.type == "cpu" and dst_indices.dtype == torch.int64
+        assert src_indices.dtype in (torch.int32, torch.int64)
+        layer_num = staging_k.shape[1]
+        assert k_ptr_src.dtype == torch.uint64 and k_ptr_src.numel() == layer_num
+        src_pages = src_indices[::page_size].tolist()
+        capacity = staging_k.shape[0] // page_size
+        for begin in range(0, len(src_pages), capacity):
+            chunk = src_pages[begin : begin + capacity]
+            tokens = len(chunk) * page_size
+            chunk_dst = dst_indices[begin * page_size : begin * page_size + tokens]
+            assert chunk_dst.numel() == tokens, "staging token count mismatch"
+            for ptrs, staging, dst in (
+                (k_ptr_src, staging_k, dst_k),
+                (v_ptr_src, staging_v, dst_v),
+            ):
+                staged = _bytes(staging[:tokens]).view(tokens, layer_num, element_size)
+                for layer, address in enumerate(ptrs.tolist()):
+                    rows = self.pointers.rows(address, element_size)
+                    for p, first in enumerate(chunk):
+                        staged[p * page_size : (p + 1) * page_size, layer] = rows[
+                            first : first + page_size
+                        ]
+                host = _bytes(dst).view(dst.shape[0], layer_num, element_size)
+                for p in range(len(chunk)):
+                    first = int(chunk_dst[p * page_size])
+                    host[first : first + page_size] = staged[
+                        p * page_size : (p + 1) * page_size
+                    ]
+
+
+class EmulatedKernels(SGLangDirectCopies, SGLangStagedWriteBack):
+    """The hicache.py entry points our path and the base class use, on CPU:
+    SGLang's JIT kernels (direct and staged) and ours (``page_chunks_module``),
+    over one pointer map."""
+
+    def page_chunks_module(self, vector: int) -> PageChunksModule:
+        """Ours (``csrc/page_chunks.cuh``, ``csrc/staged_copies.cuh``)."""
+        return PageChunksModule(self, vector)
+
+
+class PageChunksModule:
+    """Our kernels' module for one copy ``vector`` (``csrc/page_chunks.cuh``,
+    ``csrc/staged_copies.cuh``). Without a GPU every index tensor is
+    CPU-resident: int64, every page checked (first and last token) before
+    anything moves, and its page numbers passed by value, 128 pages a
+    launch. The in-kernel checks of GPU-resident indices run on a GPU."""
+
+    def __init__(self, kernels: EmulatedKernels, vector: int) -> None:
+        self.kernels, self.vector = kernels, vector
+
+    def transfer(
+        self,
+        tables,
+        refused,
+        host_indices,
+        device_indices,
+        parts,
+        heads,
+        host_stride,
+        page_size,
+        to_host,
+        max_blocks,
+    ) -> None:
+        """Every page's chunks between the device and its host page."""
+        what = "block-scaled HiCache " + ("backup" if to_host else "load")
+        _check_indices(what, host_indices, device_indices, page_size)
+        shapes = _check_parts(
+            what, tables, refused, parts, heads, page_size, max_blocks, self.vector
+        )
+        host_pages, device_pages = _page_numbers(
+            host_indices, device_indices, page_size, what
+        )
+        for _ in range(0, len(device_pages), transfer_launch_pages):
+            self.kernels.calls.append(("page_chunks", self.vector))
+        self._move_chunks(
+            tables, shapes, heads, host_pages, device_pages, host_stride, to_host
+        )
+
+    @staticmethod
+    def create_lanes(handle, lanes) -> None:
+        assert handle.dtype == torch.int64 and handle.numel() == 1
+        assert 1 <= lanes <= 8, "1 to 8 copy lanes"
+        handle[0] = 1
+
+    def staged_transfer(
+        self,
+        tables,
+        refused,
+        host_indices,
+        device_indices,
+        parts,
+        heads,
+        page_size,
+        stage_base,
+        stage_stride,
+        slot_pages,
+        second_slot,
+        pieces,
+        host_base,
+        host_stride,
+        lanes,
+        to_host,
+        max_blocks,
+    ) -> None:
+        """Per chunk of ``slot_pages`` pages, alternating between the ring's
+        two slots: a backup gathers the chunks into staged pages then copies
+        each piece to its host page; a load copies the pieces in, then
+        scatters."""
+        what = "block-scaled HiCache " + ("backup" if to_host else "load")
+        assert host_indices.device.type == "cpu"
+        assert host_indices.dtype == torch.int64, "host indices: CPU int64"
+        assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
+        if (
+            slot_pages <= 0
+            or second_slot < slot_pages
+            or stage_stride <= 0
+            or not lanes
+        ):
+            raise RuntimeError(f"{what}: no staging ring")
+        _check_indices(what, host_indices, device_indices, page_size)
+        shapes = _check_parts(
+            what, tables, refused, parts, heads, page_size, max_blocks, self.vector
+        )
+        host_pages, device_pages = _page_numbers(
+            host_indices, device_indices, page_size, what
+        )
+        for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
+            self.kernels.calls.append(("staged", self.vector))
+            hosts = host_pages[first : first + slot_pages]
+            devices = device_pages[first : first + slot_pages]
+            staged = torch.arange(len(hosts)) + chunk % 2 * second_slot
+            ring = (stage_base, stage_stride, host_base, host_stride)
+            if not to_host:
+                self._copy_pieces(pieces, hosts, staged, ring, to_host)
+            self._move_chunks(
+                tables, shapes, heads, staged, devices, stage_stride, to_host
+            )
+            if to_host:
+                self._copy_pieces(pieces, hosts, staged, ring, to_host)
+
+    def _copy_pieces(self, pieces, hosts, staged, ring, to_host) -> None:
+        """Each piece of every staged page, to or from its host page."""
+        stage_base, stage_stride, host_base, host_stride = ring
+        for host_off, staged_off, size in pieces.tolist():
+            host = ([host_base], hosts * host_stride + host_off)
+            stage = ([stage_base], staged * stage_stride + staged_off)
+            (src, src_off), (dst, dst_off) = (stage, host) if to_host else (host, stage)
+            self.kernels._copy_rows(src, dst, src_off, dst_off, size)
+
+    def _move_chunks(
+        self, tables, shapes, heads, host_pages, device_pages, host_stride, to_host
+    ) -> None:
+        """page_chunks_kernel: every (page, layer, part, head) chunk."""
+        for bases in tables.tolist():
+            for part, shape in enumerate(shapes):
+                size, row_bytes, page_stride, head_stride, row_stride, host_head = shape
+                rows = torch.arange(size // row_bytes)
+                for head in range(heads):
+                    device = (
+                        [bases[part]],
+                        (
+                            device_pages[:, None] * page_stride
+                            + head * head_stride
+                            + rows * row_stride
+                        ).reshape(-1),
+                    )
+                    host = (
+                        [bases[4 + part]],
+                        (
+                            host_pages[:, None] * host_stride
+                            + head * host_head
+                            + rows * row_bytes
+                        ).reshape(-1),
+                    )
+                    (src, src_off), (dst, dst_off) = (
+                        (device, host) if to_host else (host, device)
+                    )
+                    self.kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
+
+
+def _page_numbers(host_indices, device_indices, page_size, what):
+    """Each side's page numbers, every page of both (CPU) sides one aligned
+    run before anything moves: the package's own check of what
+    ``csrc/page_chunks.cuh`` checks (``check_transfer_pages``)."""
+    for indices in (host_indices, device_indices):
+        if indices.dtype != torch.int64:
+            raise RuntimeError(f"{what}: token indices on the CPU must be int64")
+    transfer.check_transfer_pages(host_indices, device_indices, page_size, what)
+    return [
+        indices[::page_size] // page_size for indices in (host_indices, device_indices)
+    ]
+
+
+def _check_parts(what, tables, refused, parts, heads, page_size, max_blocks, vector):
+    """The pointer table, the parts table and the launch's sizes, as the
+    kernel's host side checks them; each part's shape."""
+    assert tables.dtype == torch.uint64 and tables.is_contiguous()
+    assert tables.dim() == 2 and tables.shape[1] == 2 * 4
+    assert parts.dtype == torch.int64 and parts.device.type == "cpu"
+    assert tuple(parts.shape) == (4, 6)
+    assert refused.dtype == torch.int64 and refused.numel() == 2
+    if page_size <= 0 or max_blocks <= 0 or heads <= 0:
+        raise RuntimeError(f"{what}: page_size, heads and max_blocks must be positive")
+    shapes = parts.tolist()
+    for part, (size, row_bytes, *_) in enumerate(shapes):
+        if size % row_bytes or row_bytes % vector:
+            raise RuntimeError(
+                f"{what}: part {part} is not whole rows of whole vectors"
+            )
+    return shapes
+
+
+def _check_indices(what, host_indices, device_indices, page_size) -> None:
+    """Both index tensors packed 1-D of one length, whole pages."""
+    for indices in (host_indices, device_indices):
+        assert indices.dtype in (torch.int32, torch.int64)
+        assert indices.dim() == 1 and indices.is_contiguous()
+    if host_indices.numel() != device_indices.numel():
+        raise RuntimeError(f"{what}: index lengths differ")
+    if device_indices.numel() % page_size:
+        raise RuntimeError(
+            f"{what}: {device_indices.numel()} token indices are not "
+            f"whole pages of {page_size}"
+        )
 
 
 UINT4_BYTES = 16
@@ -713,28 +729,38 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
 
 def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     """``install_emulation`` for whole stacks that SGLang's assembler builds
-    (``test/e2e.py`` on the CPU): every block-scaled device pool and host pool
-    registers its buffers with the pointer map as it is built, and pinned
-    host memory is plain memory (no cudaHostRegister on a CPU-only torch)."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
-    from sglang.srt.mem_cache.pool_host import base, common
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-
-    from sglang_mxfp8_hicache import host_pool
-    from testkit.pools import device_buffers
-
+    (``test/e2e.py`` on the CPU): SGLang's Mamba state kernels emulated too,
+    every block-scaled device pool and host pool registers its buffers with
+    the pointer map as it is built, and pinned host memory is plain memory
+    (no cudaHostRegister on a CPU-only torch)."""
     kernels = install_emulation(monkeypatch)
-    mamba_kernels = EmulatedMambaKernels(kernels.pointers)
+    _install_mamba_emulation(monkeypatch, kernels.pointers)
+    _plain_host_memory(monkeypatch)
+    _register_buffers_when_built(monkeypatch, kernels.pointers)
+    return kernels
+
+
+def _install_mamba_emulation(monkeypatch, pointers: PointerMap) -> None:
     from sglang.kernels.ops.mamba import transfer_mamba
-    from sglang.srt.mem_cache.memory_pool import MambaPool
     from sglang.srt.mem_cache.pool_host import mamba as mamba_host
 
+    mamba_kernels = EmulatedMambaKernels(pointers)
     for name in ("transfer_kv_mamba_pf_lf", "transfer_kv_mamba_lf_pf"):
         # mamba.py binds these at import, and only under CUDA/ROCm.
         monkeypatch.setattr(
             mamba_host, name, getattr(mamba_kernels, name), raising=False
         )
         monkeypatch.setattr(transfer_mamba, name, getattr(mamba_kernels, name))
+
+
+def _plain_host_memory(monkeypatch) -> None:
+    """Host registration a no-op, a CPU stream's synchronise a no-op, and the
+    flat page a pinned pool would pin for the generic L3 read left unpinned."""
+    from sglang.srt.mem_cache.pool_host import base, common
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from sglang_mxfp8_hicache import host_pool
+
     for module in (common, base, host_pool):
         for name in ("_cuda_host_register", "_cuda_host_unregister"):
             if hasattr(module, name):
@@ -761,59 +787,50 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
         get_page = cls.__dict__["get_dummy_flat_data_page"]
         monkeypatch.setattr(cls, "get_dummy_flat_data_page", unpinned(get_page))
 
-    def registering(init, buffers):
+
+def _register_buffers_when_built(monkeypatch, pointers: PointerMap) -> None:
+    """Each device and host pool's buffers registered with ``pointers`` as
+    the pool builds them: MXFP8 and FP4 device pools, Mamba state, host pools."""
+    from sglang.srt.mem_cache.memory_pool import (
+        MambaPool,
+        MHATokenToKVPool,
+        MHATokenToKVPoolMXFP8,
+    )
+    from sglang.srt.mem_cache.pool_host import mamba as mamba_host
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    from sglang_mxfp8_hicache import host_pool
+    from testkit.pools import device_buffers
+
+    def registering(owner, method: str, buffers) -> None:
+        """``owner.method`` patched to register ``buffers(self, result)``."""
+        init = getattr(owner, method)
+
         def wrapped(self, *args, **kwargs):
             result = init(self, *args, **kwargs)
-            kernels.pointers.register(buffers(self, result))
+            pointers.register(buffers(self, result))
             return result
 
-        return wrapped
+        monkeypatch.setattr(owner, method, wrapped)
 
-    monkeypatch.setattr(
-        MHATokenToKVPoolMXFP8,
-        "__init__",
-        registering(
-            MHATokenToKVPoolMXFP8.__init__, lambda pool, _: device_buffers(pool)
-        ),
-    )
+    registering(MHATokenToKVPoolMXFP8, "__init__", lambda pool, _: device_buffers(pool))
     # FP4 pools are SGLang's plain MHA pool with a quant method.
-    monkeypatch.setattr(
+    registering(
         MHATokenToKVPool,
         "__init__",
-        registering(
-            MHATokenToKVPool.__init__,
-            lambda pool, _: (
-                device_buffers(pool)
-                if type(pool) is MHATokenToKVPool and pool.k_scale_buffer is not None
-                else []
-            ),
+        lambda pool, _: (
+            device_buffers(pool)
+            if type(pool) is MHATokenToKVPool and pool.k_scale_buffer is not None
+            else []
         ),
     )
-    monkeypatch.setattr(
+    registering(
         MambaPool,
         "__init__",
-        registering(
-            MambaPool.__init__,
-            lambda pool, _: [pool.mamba_cache.temporal, *pool.mamba_cache.conv],
-        ),
+        lambda pool, _: [pool.mamba_cache.temporal, *pool.mamba_cache.conv],
     )
-    monkeypatch.setattr(
-        mamba_host.MambaPoolHost,
-        "init_kv_buffer",
-        registering(
-            mamba_host.MambaPoolHost.init_kv_buffer, lambda _, buffers: buffers
-        ),
+    registering(mamba_host.MambaPoolHost, "init_kv_buffer", lambda _, kv: kv)
+    registering(MHATokenToKVPoolHost, "init_kv_buffer", lambda _, kv: [kv])
+    registering(
+        host_pool.MHATokenToKVPoolMXFP8Host, "init_kv_buffer", lambda _, kv: [kv]
     )
-    monkeypatch.setattr(
-        MHATokenToKVPoolHost,
-        "init_kv_buffer",
-        registering(MHATokenToKVPoolHost.init_kv_buffer, lambda _, kv: [kv]),
-    )
-    monkeypatch.setattr(
-        host_pool.MHATokenToKVPoolMXFP8Host,
-        "init_kv_buffer",
-        registering(
-            host_pool.MHATokenToKVPoolMXFP8Host.init_kv_buffer, lambda _, kv: [kv]
-        ),
-    )
-    return kernels
