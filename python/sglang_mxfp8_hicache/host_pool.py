@@ -52,7 +52,7 @@ from sglang.srt.mem_cache.pool_host.common import (
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.platforms import current_platform
 
-from sglang_mxfp8_hicache import transfer
+from sglang_mxfp8_hicache import releases, transfer
 from sglang_mxfp8_hicache.errors import (  # the first name, kept importable here
     BlockScaledHiCacheConfigError,
     MXFP8HiCacheConfigError,  # noqa: F401
@@ -255,15 +255,16 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             # The payload staging SGLang may hand over is for its own page_first
             # kernel; this pool never uses it (the plugin keeps SGLang from
             # allocating it for our pools).
-            super().__init__(
+            releases.init_host_base(
+                self,
                 payload_buffer_info(buffer_info, fmt),
-                host_to_device_ratio,
-                host_size,
-                page_size,
-                layout,
-                pin_memory,
-                device,
-                allocator_type,
+                host_to_device_ratio=host_to_device_ratio,
+                host_size=host_size,
+                page_size=page_size,
+                layout=layout,
+                pin_memory=pin_memory,
+                device=device,
+                allocator_type=allocator_type,
                 device_capacity_tokens=device_capacity_tokens,
                 start_layer=start_layer,
                 end_layer=end_layer,

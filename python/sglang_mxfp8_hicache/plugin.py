@@ -65,7 +65,7 @@ MOVE_POOL_INDICES_HOOK_TARGET = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
     "HybridCacheController._move_pool_indices"
 )
-SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+SUPPORTED_SGLANG_VERSIONS = ("0.5.22", "0.5.23")
 """The releases this package serves (``pyproject.toml`` only bounds SGLang
 below, so that installing it never moves a user's SGLang)."""
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"
@@ -122,14 +122,22 @@ def claims(buffer_info: MHABufferInfo) -> str | None:
 def select_host_pool_cls(
     original: Callable[[MHABufferInfo], type], buffer_info: MHABufferInfo
 ) -> type:
-    """AROUND hook on ``get_mha_host_pool_cls``."""
-    reason = claims(buffer_info)
+    """AROUND hook on ``get_mha_host_pool_cls``, which a release that builds
+    host pools from the device pool (``releases``) hands the device pool: ours
+    is then made from it, and its native nvfp4 scales are refused here."""
+    from sglang_mxfp8_hicache import releases
+
+    pool_or_info = buffer_info
+    reason = claims(releases.buffer_info(pool_or_info))
     if reason is not None:
         from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
         chosen = MHATokenToKVPoolMXFP8Host
+        if releases.builds_from_device_pool():
+            _refuse_native_scales((pool_or_info,))
+            chosen = releases.built_from_device_pool(chosen)
     else:
-        chosen = original(buffer_info)
+        chosen = original(pool_or_info)
         reason = "not a block-scaled device pool, SGLang's own choice"
     key = (chosen.__module__, chosen.__qualname__, reason)
     if key not in _logged_choices:
@@ -148,7 +156,12 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
     scales. SGLang's server arguments refuse that combination; this refuses
     it wherever a stack is built, before any host pool is.
     """
-    for device_pool in (pool, *drafts):
+    _refuse_native_scales((pool, *drafts))
+    return original(pool, drafts)
+
+
+def _refuse_native_scales(device_pools) -> None:
+    for device_pool in device_pools:
         if getattr(device_pool, "native_k_scale_buffer", None) is not None:
             from sglang_mxfp8_hicache.errors import refusal_error
 
@@ -161,7 +174,6 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
                 "--enable-hierarchical-cache.",
                 "nvfp4",
             )
-    return original(pool, drafts)
 
 
 _preparing_staging: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -189,8 +201,11 @@ def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
     moves pages without it. A host pool of SGLang's own that is built later
     (its constructor calls this function too) still gets its staging.
     """
-    if _preparing_staging.get() and claims(buffer_info) is not None:
-        _reserve_device_staging(buffer_info.device)
+    from sglang_mxfp8_hicache import releases
+
+    info = releases.buffer_info(buffer_info)  # the device pool before 0.5.23
+    if _preparing_staging.get() and claims(info) is not None:
+        _reserve_device_staging(info.device)
         return None
     return original(buffer_info, **kwargs)
 
@@ -397,12 +412,13 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mxfp8_hicache import storage
+    from sglang_mxfp8_hicache import releases, storage
 
     HookRegistry.register(HOOK_TARGET, select_host_pool_cls, HookType.AROUND)
-    HookRegistry.register(
-        HOST_INPUTS_HOOK_TARGET, refuse_native_fp4_scales, HookType.AROUND
-    )
+    if not releases.builds_from_device_pool():  # else select_host_pool_cls refuses
+        HookRegistry.register(
+            HOST_INPUTS_HOOK_TARGET, refuse_native_fp4_scales, HookType.AROUND
+        )
     HookRegistry.register(
         storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend, HookType.AROUND
     )

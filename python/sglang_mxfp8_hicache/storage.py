@@ -43,7 +43,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sglang_mxfp8_hicache import seal
+from sglang_mxfp8_hicache import releases, seal
 from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.page import HostPage
 
@@ -205,9 +205,8 @@ def guard_storage_backend(
     if refused is not None:
         raise refused.error(name, pool.pool_label)
     built = original(factory, backend_name, storage_config, pool, **kwargs)
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
-
-    injector = built if isinstance(built, HiCacheStorageFailureInjector) else None
+    injector_type = releases.failure_injector_type()
+    injector = built if injector_type and isinstance(built, injector_type) else None
     backend = injector._backend if injector is not None else built
     if isinstance(backend, GuardedStorage):  # the hook ran twice around one build
         return built
@@ -319,10 +318,9 @@ class GuardedStorage:
 
 def sglang_backend(storage_backend: Any) -> Any:
     """The backend SGLang built, under our guard and SGLang's test injector."""
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
-
+    injector_type = releases.failure_injector_type() or GuardedStorage
     while type(storage_backend) is GuardedStorage or isinstance(
-        storage_backend, HiCacheStorageFailureInjector
+        storage_backend, injector_type
     ):
         storage_backend = storage_backend._backend
     return storage_backend

@@ -21,6 +21,7 @@ CORE = (
     "refusals",
     "errors",
     "seal",
+    "releases",
 )
 
 

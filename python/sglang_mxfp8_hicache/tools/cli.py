@@ -109,6 +109,7 @@ def print_dispatch() -> None:
     import torch
     from sglang.srt.plugins import load_plugins
 
+    from sglang_mxfp8_hicache import releases
     from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
     load_plugins()
@@ -119,7 +120,12 @@ def print_dispatch() -> None:
     pools["bf16"] = build_device_pool(**shape, payload_dtype=torch.bfloat16)
     chosen = {}
     for kind, pool in pools.items():
-        info = pool.get_device_pool_infos()[0].buffer_info
+        # What the release's assembler hands it: the device pool before 0.5.23.
+        info = (
+            pool
+            if releases.builds_from_device_pool()
+            else pool.get_device_pool_infos()[0].buffer_info
+        )
         cls = hybrid_pool_assembler.get_mha_host_pool_cls(info)
         chosen[kind] = f"{cls.__module__}.{cls.__qualname__}"
     print(json.dumps(chosen))

@@ -77,22 +77,20 @@ def build_host_pool(
     layout: str = "page_first",
 ) -> MHATokenToKVPoolHost:
     """The host pool SGLang's assembler builds; ``drafts`` are one-layer device
-    pools packed as tail layers (MTP/NextN, ``draft_buffer_infos``)."""
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    return host_cls(
-        info,
-        host_to_device_ratio,
-        0,
-        device_pool.page_size,
-        layout,
-        pin_memory=pin_memory,
-        device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer,
-        end_layer=device_pool.end_layer,
-        draft_buffer_infos=tuple(
-            d.get_device_pool_infos()[0].buffer_info for d in drafts
-        ),
-    )
+    pools packed as tail layers (MTP/NextN, ``draft_buffer_infos``). A release
+    that builds host pools from the device pool (``releases``) builds ours
+    and its own so."""
+    from sglang_mxfp8_hicache import releases
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+
+    args = (host_to_device_ratio, 0, device_pool.page_size, layout)
+    if releases.builds_from_device_pool():
+        if issubclass(host_cls, MHATokenToKVPoolMXFP8Host):
+            host_cls = releases.built_from_device_pool(host_cls)
+        drafts = dict(mtp_draft_device_pools=tuple(drafts)) if drafts else {}
+        return host_cls(device_pool, *args, pin_memory=pin_memory, **drafts)
+    inputs = releases.host_pool_inputs(device_pool, drafts)
+    return host_cls(inputs.pop("buffer_info"), *args, pin_memory=pin_memory, **inputs)
 
 
 class PayloadOnlyHost(MHATokenToKVPoolHost):

@@ -1,0 +1,230 @@
+"""What differs between the SGLang releases this package serves, in one place.
+
+Every other module is written for 0.5.23's interface, where a host pool is
+built from an ``MHABufferInfo`` (the device pool's per-layer buffers and
+scales) and keyword geometry. 0.5.22 differs where a host pool meets SGLang:
+
+| | 0.5.22 | 0.5.23 |
+|---|---|---|
+| a host pool is built from | the device pool: ``cls(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *, mtp_draft_device_pools, pool_label)`` | ``MHABufferInfo`` and keyword geometry |
+| ``get_mha_host_pool_cls`` and ``prepare_mha_write_back_staging`` take | the device pool | ``MHABufferInfo`` |
+| ``HostKVCache.__init__`` | keyword geometry without ``host_token_capacity`` | keyword geometry |
+| ``_mha_host_inputs`` (where native nvfp4 scales are refused) | absent | present |
+| ``HiCacheStorageFailureInjector`` | absent | present |
+
+The kernels, the JIT loader, the controllers' index moves, the L2 engine's
+calls into the pool, the storage factory and the server-argument hooks are
+the same in both (``docs/releases.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+FIRST_BUFFER_INFO_RELEASE = "0.5.23"
+"""The first release whose host pools are built from ``MHABufferInfo``."""
+
+
+def _release() -> tuple[int, ...]:
+    from packaging.version import Version
+    from sglang.version import __version__
+
+    return Version(__version__).release
+
+
+@functools.cache
+def builds_from_device_pool() -> bool:
+    """Whether this SGLang builds host pools from the device pool (0.5.22)."""
+    from packaging.version import Version
+
+    return _release() < Version(FIRST_BUFFER_INFO_RELEASE).release
+
+
+class PoolBuffers(msgspec.Struct, frozen=True, kw_only=True):
+    """A device pool's per-layer K and V buffers (0.5.23's ``KVBuffers``)."""
+
+    k: tuple[Any, ...]
+    v: tuple[Any, ...]
+    k_data_ptrs: Any = None
+    v_data_ptrs: Any = None
+
+
+class PoolScales(msgspec.Struct, frozen=True, kw_only=True):
+    """A device pool's per-layer K and V scale buffers (0.5.23's ``KVScaleBuffers``)."""
+
+    k: tuple[Any, ...]
+    v: tuple[Any, ...]
+
+
+class PoolBufferInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What this package reads of 0.5.23's ``MHABufferInfo``, made from a
+    device pool of a release that has none."""
+
+    buffers: PoolBuffers
+    page_size: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    dtype: Any
+    device: Any
+    scales: PoolScales | None = None
+
+
+def buffer_info(pool_or_info: Any) -> Any:
+    """``pool_or_info`` as a buffer info: 0.5.23 hands one; a device pool
+    (0.5.22) gives one of its buffers, scales and geometry. Its head count is
+    the rows per token when K and V are as wide, as 0.5.22's host pools count
+    them."""
+    if hasattr(pool_or_info, "buffers"):
+        return pool_or_info
+    pool = pool_or_info
+    head_num = pool.head_num
+    if pool.head_dim == pool.v_head_dim and hasattr(pool, "row_dim"):
+        head_num = pool.row_dim // pool.head_dim
+    k_scales = getattr(pool, "k_scale_buffer", None)
+    scales = None
+    if k_scales is not None:
+        scales = PoolScales(k=tuple(k_scales), v=tuple(pool.v_scale_buffer))
+    return PoolBufferInfo(
+        buffers=PoolBuffers(
+            k=tuple(pool.k_buffer),
+            v=tuple(pool.v_buffer),
+            k_data_ptrs=getattr(pool, "k_data_ptrs", None),
+            v_data_ptrs=getattr(pool, "v_data_ptrs", None),
+        ),
+        page_size=pool.page_size,
+        head_num=head_num,
+        head_dim=pool.head_dim,
+        v_head_dim=pool.v_head_dim,
+        dtype=pool.store_dtype,
+        device=torch_device(pool.device),
+        scales=scales,
+    )
+
+
+def torch_device(device: Any) -> torch.device:
+    import torch
+
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def host_pool_inputs(device_pool: Any, drafts: Sequence[Any] = ()) -> dict[str, Any]:
+    """The keyword arguments (buffer info, drafts', capacity, layers) 0.5.23's
+    assembler gives a host pool for ``device_pool``, on any served release."""
+    info = (
+        buffer_info(device_pool)
+        if builds_from_device_pool()
+        else device_pool.get_device_pool_infos()[0].buffer_info
+    )
+    draft_infos = tuple(
+        buffer_info(d)
+        if builds_from_device_pool()
+        else d.get_device_pool_infos()[0].buffer_info
+        for d in drafts
+    )
+    capacity = getattr(device_pool, "host_capacity_tokens", None)
+    return dict(
+        buffer_info=info,
+        draft_buffer_infos=draft_infos,
+        device_capacity_tokens=device_pool.size if capacity is None else capacity,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+    )
+
+
+@functools.cache
+def built_from_device_pool(cls: type) -> type:
+    """``cls`` (a host pool of 0.5.23's constructor) as a release that builds
+    host pools from the device pool calls it: the same class, constructed
+    from the device pool and its packed drafts."""
+
+    def __init__(
+        self,
+        device_pool,
+        host_to_device_ratio: float,
+        host_size: int,
+        page_size: int,
+        layout: str,
+        pin_memory: bool = True,
+        device: str = "cpu",
+        allocator_type: str = "default",
+        *,
+        mtp_draft_device_pools: Sequence[Any] = (),
+        pool_label: str = "kv",
+    ) -> None:
+        # Read by the release's base pool (its layer ownership helpers).
+        self.device_pool = device_pool
+        self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
+        inputs = host_pool_inputs(device_pool, mtp_draft_device_pools)
+        cls.__init__(
+            self,
+            inputs.pop("buffer_info"),
+            host_to_device_ratio,
+            host_size,
+            page_size,
+            layout,
+            pin_memory,
+            device,
+            allocator_type,
+            pool_label=pool_label,
+            **inputs,
+        )
+
+    return type(
+        cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__}
+    )
+
+
+def init_host_base(host: Any, payload_info: Any, **geometry: Any) -> None:
+    """SGLang's MHA host pool constructor for ``host``, given the payload's
+    buffer info (0.5.23's signature: ``geometry`` holds the rest). On a
+    release that builds host pools from the device pool, its base constructor
+    would read a device pool and make the payload's transfer views, which an
+    owned page has no use for: the geometry it sets is set here, and its
+    allocating base is called with this release's keywords."""
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    if not builds_from_device_pool():
+        MHATokenToKVPoolHost.__init__(host, payload_info, **geometry)
+        return
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+    drafts = geometry.pop("draft_buffer_infos")
+    geometry.pop("write_back_staging", None)
+    host.head_group_num = geometry.pop("head_group_num", 1)
+    if geometry.pop("host_token_capacity", None) is not None:
+        raise ValueError("this SGLang sizes host pools by ratio or size only")
+    infos = (payload_info, *drafts)
+    host.target_layer_num = len(payload_info.buffers.k)
+    host._transfer_device = torch_device(payload_info.device)
+    host.dtype = payload_info.dtype
+    host.head_dim = payload_info.head_dim
+    host.v_head_dim = payload_info.v_head_dim
+    host.head_num = payload_info.head_num
+    host.layer_num = host.target_layer_num + len(drafts)
+    host.page_size = geometry["page_size"]
+    HostKVCache.__init__(
+        host,
+        dtype=host.dtype,
+        size_per_token=host.get_size_per_token(),
+        **geometry,
+    )
+    host.device_k_buffers = tuple(b for info in infos for b in info.buffers.k)
+    host.device_v_buffers = tuple(b for info in infos for b in info.buffers.v)
+    host._initialize_transfer_views(payload_info, None)
+
+
+def failure_injector_type() -> type | None:
+    """SGLang's test failure injector class (0.5.23), or None where it has none."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+    except ImportError:
+        return None
+    return HiCacheStorageFailureInjector
