@@ -129,8 +129,90 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """Stops ``proc`` by its pid: SIGTERM, then SIGKILL if it is still there
+    after ``grace_s`` (a no-op once it has exited)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class MooncakeError(RuntimeError):
     """A Mooncake process exited early or did not become ready in time."""
+
+
+class _Processes:
+    """Mooncake's processes by name (``master``, ``node``): each started from
+    its binary with ``MC_TCP_BIND_ADDRESS`` 127.0.0.1 and its log in
+    ``log_dir``, watched while it gets ready, stopped by its own pid."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(self, name: str, script: str, *args: str) -> None:
+        env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST)
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            self.running[name] = subprocess.Popen(
+                [str(binary(script)), *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=die_with_parent,
+            )
+
+    def wait(self, name: str, ready: Callable[[], bool], what: str) -> None:
+        """Polls ``ready`` until it is true; raises with the logs' tails when any
+        started process exits first (the master, having answered /health, still
+        exits when its RPC port turns out to be taken) or after the timeout."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            for other, proc in self.running.items():
+                if proc.poll() is not None:
+                    raise _EarlyExit(
+                        f"Mooncake {other} (pid {proc.pid}) exited with "
+                        f"{proc.returncode} while waiting for {name}: {what}\n"
+                        f"{self.log_tail()}"
+                    )
+            with contextlib.suppress(OSError, ValueError):
+                if ready():
+                    return
+            if time.monotonic() > deadline:
+                raise MooncakeError(
+                    f"Mooncake {name} (pid {self.running[name].pid}) not ready after "
+                    f"{READY_TIMEOUT_S:.0f} s waiting for {what}\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def kill(self, name: str) -> None:
+        """SIGKILLs ``name`` and reaps it."""
+        proc = self.running.pop(name)
+        proc.kill()
+        proc.wait()
+
+    def stop(self) -> None:
+        # The storage node first: it unmounts its segment from a live master.
+        for name in ("node", "master"):
+            proc = self.running.pop(name, None)
+            if proc is not None:
+                stop_process(proc, STOP_TIMEOUT_S)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of each process's log."""
+        parts = []
+        for name in ("master", "node"):
+            path = self.log_dir / f"{name}.log"
+            if path.exists():
+                parts.append(
+                    f"--- {name}.log (last {lines} lines) ---\n{_tail(path, lines)}"
+                )
+        return "\n".join(parts)
 
 
 class MooncakeLoopback:
@@ -153,8 +235,7 @@ class MooncakeLoopback:
         10 s, when None); a test that kills the node shortens it."""
         self.segment_size, self.client_ttl_s = segment_size, client_ttl_s
         self.rpc_port = self.metrics_port = self.node_port = 0
-        self.log_dir: Path | None = None
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._processes: _Processes | None = None
         self._saved_bind: str | None = None
         self._env_set = False
 
@@ -165,7 +246,8 @@ class MooncakeLoopback:
     @property
     def pids(self) -> dict[str, int]:
         """The pid of each running process, by name (``master``, ``node``)."""
-        return {name: p.pid for name, p in self._procs.items() if p.poll() is None}
+        running = self._processes.running if self._processes else {}
+        return {name: p.pid for name, p in running.items() if p.poll() is None}
 
     def extra_config(self, **overrides: Any) -> dict[str, Any]:
         """The Mooncake part of SGLang's storage-backend extra config.
@@ -193,23 +275,18 @@ class MooncakeLoopback:
 
     def log_tail(self, lines: int = 40) -> str:
         """The last ``lines`` lines of each process's log, for failure messages."""
-        if self.log_dir is None:
+        if self._processes is None:
             return "(not started)"
-        parts = []
-        for name in ("master", "node"):
-            path = self.log_dir / f"{name}.log"
-            if path.exists():
-                parts.append(
-                    f"--- {name}.log (last {lines} lines) ---\n{_tail(path, lines)}"
-                )
-        return "\n".join(parts)
+        return self._processes.log_tail(lines)
 
     def start(self) -> MooncakeLoopback:
         """Starts the master, then the storage node, each waited for; retries
         with fresh ports when a process exits early (port taken meanwhile)."""
-        if self._procs:
+        if self._processes is not None and self._processes.running:
             raise RuntimeError("MooncakeLoopback is already started")
-        self.log_dir = Path(tempfile.mkdtemp(prefix="mooncake-loopback-"))
+        self._processes = _Processes(
+            Path(tempfile.mkdtemp(prefix="mooncake-loopback-"))
+        )
         self._set_env()
         try:
             for attempt in range(1, START_ATTEMPTS + 1):
@@ -217,7 +294,7 @@ class MooncakeLoopback:
                     self._start_once()
                     return self
                 except _EarlyExit:
-                    self._stop_procs()
+                    self._processes.stop()
                     if attempt == START_ATTEMPTS:
                         raise
         except BaseException:
@@ -228,11 +305,12 @@ class MooncakeLoopback:
     def stop(self) -> None:
         """Stops both processes by pid (SIGTERM, then SIGKILL after
         ``STOP_TIMEOUT_S``), restores ``MC_TCP_BIND_ADDRESS`` and removes the logs."""
-        self._stop_procs()
+        if self._processes is not None:
+            self._processes.stop()
         self._restore_env()
-        if self.log_dir is not None:
-            shutil.rmtree(self.log_dir, ignore_errors=True)
-            self.log_dir = None
+        if self._processes is not None:
+            shutil.rmtree(self._processes.log_dir, ignore_errors=True)
+            self._processes = None
 
     def __enter__(self) -> MooncakeLoopback:
         return self.start()
@@ -246,8 +324,9 @@ class MooncakeLoopback:
         self.stop()
 
     def _start_once(self) -> None:
+        assert self._processes is not None
         self.rpc_port, self.metrics_port, self.node_port = free_ports(3)
-        self._spawn(
+        self._processes.spawn(
             "master",
             "mooncake_master",
             f"--rpc_address={HOST}",
@@ -261,12 +340,13 @@ class MooncakeLoopback:
             "--logtostderr",
             *([f"--client_ttl={self.client_ttl_s}"] if self.client_ttl_s else []),
         )
-        self._wait("master", self._master_ready, "/health to answer ok")
+        self._processes.wait("master", self._master_ready, "/health to answer ok")
         self.start_node()
 
     def start_node(self) -> None:
         """Starts the storage node on its port and waits for its segment."""
-        self._spawn(
+        assert self._processes is not None
+        self._processes.spawn(
             "node",
             "mooncake_client",
             f"--host={HOST}",
@@ -277,52 +357,17 @@ class MooncakeLoopback:
             "--protocol=tcp",
             "--logtostderr",
         )
-        self._wait("node", lambda: bool(self.segments()), "its segment to be mounted")
+        self._processes.wait(
+            "node", lambda: bool(self.segments()), "its segment to be mounted"
+        )
 
     def kill_node(self) -> None:
         """SIGKILLs the storage node, as a crash: its segment and every object
         in it are gone. The master learns of it by itself, ``client_ttl_s``
         later; until then it still places new objects there (``segments()``
         still lists it) and clients' transfers to it fail."""
-        proc = self._procs.pop("node")
-        proc.kill()
-        proc.wait()
-
-    def _spawn(self, name: str, script: str, *args: str) -> None:
-        assert self.log_dir is not None
-        env = dict(os.environ, MC_TCP_BIND_ADDRESS=HOST)
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            self._procs[name] = subprocess.Popen(
-                [str(binary(script)), *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                preexec_fn=die_with_parent,
-            )
-
-    def _wait(self, name: str, ready: Callable[[], bool], what: str) -> None:
-        """Polls ``ready`` until it is true; raises with the logs' tails when any
-        started process exits first (the master, having answered /health, still
-        exits when its RPC port turns out to be taken) or after the timeout."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            for other, proc in self._procs.items():
-                if proc.poll() is not None:
-                    raise _EarlyExit(
-                        f"Mooncake {other} (pid {proc.pid}) exited with "
-                        f"{proc.returncode} while waiting for {name}: {what}\n"
-                        f"{self.log_tail()}"
-                    )
-            with contextlib.suppress(OSError, ValueError):
-                if ready():
-                    return
-            if time.monotonic() > deadline:
-                raise MooncakeError(
-                    f"Mooncake {name} (pid {self._procs[name].pid}) not ready after "
-                    f"{READY_TIMEOUT_S:.0f} s waiting for {what}\n{self.log_tail()}"
-                )
-            time.sleep(0.05)
+        assert self._processes is not None
+        self._processes.kill("node")
 
     def _http_get(self, path: str) -> bytes:
         url = f"http://{HOST}:{self.metrics_port}{path}"
@@ -331,19 +376,6 @@ class MooncakeLoopback:
 
     def _master_ready(self) -> bool:
         return json.loads(self._http_get("/health")).get("status") == "ok"
-
-    def _stop_procs(self) -> None:
-        # The storage node first: it unmounts its segment from a live master.
-        for name in ("node", "master"):
-            proc = self._procs.pop(name, None)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.terminate()  # SIGTERM to proc.pid
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
     def _set_env(self) -> None:
         if not self._env_set:

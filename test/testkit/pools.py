@@ -116,28 +116,13 @@ def round_trip(
     order (default ascending), as a hybrid pool's layer mapper may give them.
     """
     device = torch.device(device_pool.device)
-    cpu = torch.Generator().manual_seed(seed)
     page_size = device_pool.page_size
-    device_page_num = device_pool.size // page_size  # page 0 is padding
-    host_page_num = host_pool.page_num
-    if pages > min(device_page_num // 2, host_page_num):
-        raise ValueError(
-            f"{pages} pages do not fit {device_page_num // 2} device / {host_page_num} host pages"
-        )
+    src_pages, dst_pages, host_pages = _pick_pages(device_pool, host_pool, pages, seed)
     pools = (device_pool, *drafts)
     device_tensors = [t for pool in pools for t in device_buffers(pool)]
-    # device_buffers() lists each pool's 2 * layers payload tensors, then its scales.
-    is_scale = [
-        n >= 2 * pool.layer_num for pool in pools for n in range(4 * pool.layer_num)
-    ]
-
     gen = torch.Generator(device=device).manual_seed(seed)
     fill_random(device_tensors, gen)
     fill_random([host_pool.kv_buffer], torch.Generator().manual_seed(seed + 1))
-
-    perm = torch.randperm(device_page_num, generator=cpu) + 1
-    src_pages, dst_pages = perm[:pages], perm[pages : 2 * pages]
-    host_pages = torch.randperm(host_page_num, generator=cpu)[:pages]
     index_device = "cpu" if io_backend == "direct" else device
     src_tokens = page_token_indices(src_pages, page_size).to(index_device)
     dst_tokens = page_token_indices(dst_pages, page_size).to(index_device)
@@ -145,20 +130,9 @@ def round_trip(
 
     saved = _device_pages(device_pool, device_tensors)
     host_before = host_page_rows(host_pool).clone()
-
-    synchronize(device)
-    start = time.perf_counter()
-    host_pool.backup_from_device_all_layer(
-        device_pool,
-        host_indices_for(
-            host_pool, host_tokens, device, backup=True, io_backend=io_backend
-        ),
-        src_tokens,
-        io_backend,
+    backup_seconds = _timed(
+        device, _back_up, host_pool, device_pool, host_tokens, src_tokens, io_backend
     )
-    synchronize(device)
-    backup_seconds = time.perf_counter() - start
-
     host_untouched = _host_untouched(host_pool, host_before, host_pages)
 
     fill_random(device_tensors, gen)
@@ -166,8 +140,66 @@ def round_trip(
     host_tokens_dev = host_indices_for(
         host_pool, host_tokens, device, backup=False, io_backend=io_backend
     )
+    load_seconds = _timed(
+        device,
+        lambda: _load_layer_by_layer(
+            host_pool, pools, host_tokens_dev, dst_tokens, layer_order, io_backend
+        ),
+    )
+    restored = _device_pages(device_pool, device_tensors)
+    return RoundTripResult(
+        pages=pages,
+        **_compare_device(pools, saved, clobbered, restored, src_pages, dst_pages),
+        host_untouched=host_untouched,
+        bytes_per_direction=sum(t[0].numel() for t in saved) * pages,  # all tensors
+        backup_seconds=backup_seconds,
+        load_seconds=load_seconds,
+    )
+
+
+def _timed(device: torch.device, work, *args) -> float:
+    """Seconds ``work(*args)`` took on ``device``, its queued work included."""
     synchronize(device)
     start = time.perf_counter()
+    work(*args)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _pick_pages(device_pool, host_pool, pages: int, seed: int):
+    """``pages`` random device pages to back up, as many other device pages
+    to load them into (never page 0, the padding) and ``pages`` host pages."""
+    device_page_num = device_pool.size // device_pool.page_size
+    host_page_num = host_pool.page_num
+    if pages > min(device_page_num // 2, host_page_num):
+        raise ValueError(
+            f"{pages} pages do not fit {device_page_num // 2} device / {host_page_num} host pages"
+        )
+    cpu = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(device_page_num, generator=cpu) + 1
+    host_pages = torch.randperm(host_page_num, generator=cpu)[:pages]
+    return perm[:pages], perm[pages : 2 * pages], host_pages
+
+
+def _back_up(host_pool, device_pool, host_tokens, src_tokens, io_backend) -> None:
+    """Every layer's ``src_tokens`` backed up to ``host_tokens`` in one call,
+    the host indices made as the controller makes them."""
+    device = torch.device(device_pool.device)
+    host_indices = host_indices_for(
+        host_pool, host_tokens, device, backup=True, io_backend=io_backend
+    )
+    host_pool.backup_from_device_all_layer(
+        device_pool, host_indices, src_tokens, io_backend
+    )
+
+
+def _load_layer_by_layer(
+    host_pool, pools, host_tokens, dst_tokens, layer_order, io_backend
+) -> None:
+    """Every target layer of ``pools[0]`` loaded in ``layer_order`` (default
+    ascending), draft ``d`` (``pools[1 + d]``) right after the ``d``-th, as
+    SGLang's transfer engine loads them."""
+    device_pool, *drafts = pools
     target_layers = device_pool.layer_num
     order = list(range(target_layers) if layer_order is None else layer_order)
     if sorted(order) != list(range(target_layers)):
@@ -175,45 +207,44 @@ def round_trip(
     for step in range(max(target_layers, len(drafts))):
         if step < target_layers:
             host_pool.load_to_device_per_layer(
-                device_pool, host_tokens_dev, dst_tokens, order[step], io_backend
+                device_pool, host_tokens, dst_tokens, order[step], io_backend
             )
         if step < len(drafts):
             host_pool.load_to_device_per_layer(
                 drafts[step],
-                host_tokens_dev,
+                host_tokens,
                 dst_tokens,
                 target_layers + step,
                 io_backend,
                 is_draft=True,
             )
-    synchronize(device)
-    load_seconds = time.perf_counter() - start
 
-    restored = _device_pages(device_pool, device_tensors)
-    untouched = torch.ones(device_page_num + 1, dtype=torch.bool)
+
+def _compare_device(pools, saved, clobbered, restored, src_pages, dst_pages):
+    """Whether the ``dst_pages`` of every payload and every scale tensor of
+    ``pools`` now hold what the ``src_pages`` held when ``saved``, and every
+    other page what it held once ``clobbered``."""
+    # device_buffers() lists each pool's 2 * layers payload tensors, then its scales.
+    is_scale = [
+        n >= 2 * pool.layer_num for pool in pools for n in range(4 * pool.layer_num)
+    ]
+    untouched = torch.ones(restored[0].shape[0], dtype=torch.bool)
     untouched[dst_pages] = False
     restored_ok = [
         torch.equal(now[dst_pages], before[src_pages])
         for now, before in zip(restored, saved, strict=True)
     ]
-    device_untouched = all(
-        torch.equal(now[untouched], before[untouched])
-        for now, before in zip(restored, clobbered, strict=True)
-    )
-    moved = sum(t[0].numel() for t in saved) * pages  # bytes per page, all tensors
-    return RoundTripResult(
-        pages=pages,
+    return dict(
         payload_restored=all(
             ok for ok, scale in zip(restored_ok, is_scale, strict=True) if not scale
         ),
         scales_restored=all(
             ok for ok, scale in zip(restored_ok, is_scale, strict=True) if scale
         ),
-        host_untouched=host_untouched,
-        device_untouched=device_untouched,
-        bytes_per_direction=moved,
-        backup_seconds=backup_seconds,
-        load_seconds=load_seconds,
+        device_untouched=all(
+            torch.equal(now[untouched], before[untouched])
+            for now, before in zip(restored, clobbered, strict=True)
+        ),
     )
 
 

@@ -27,6 +27,7 @@ from testkit.mooncake_loopback import (
     HOST,
     die_with_parent,
     free_ports,
+    stop_process,
 )
 
 START_TIMEOUT_S = 60
@@ -149,13 +150,8 @@ class SeaweedFSLoopback:
         return " | ".join(fatal or lines[-5:])[-2000:]
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            stop_process(self._proc, STOP_GRACE_S)
         self._proc = None
         for port in self._ports:  # the unix sockets weed leaves in /tmp
             for number in (port, port + GRPC_OFFSET):
