@@ -112,7 +112,8 @@ def decode_host_receive() -> bool:
     from sglang.srt.runtime_context import get_disagg
 
     try:
-        return get_disagg().disaggregation_decode_host_receive_threshold < 1
+        threshold = get_disagg().disaggregation_decode_host_receive_threshold
+        return releases.decode_host_receive(threshold)
     except (ValueError, AttributeError):
         return False
 
@@ -345,7 +346,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             storage_backend=allocator_type,
             storage_extra_config=configured_storage_extra_config(),
             decode_host_receive=decode_host_receive(),
-            device_kernels=current_platform.capabilities.hicache_device_kernels,
+            device_kernels=releases.hicache_device_kernels(current_platform),
         )
         shape = PageShape(
             head_num=buffer_info.head_num,

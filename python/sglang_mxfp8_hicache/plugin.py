@@ -65,7 +65,7 @@ MOVE_POOL_INDICES_HOOK_TARGET = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
     "HybridCacheController._move_pool_indices"
 )
-SUPPORTED_SGLANG_VERSIONS = ("0.5.22", "0.5.23")
+SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
 """The releases this package serves (``pyproject.toml`` only bounds SGLang
 below, so that installing it never moves a user's SGLang)."""
 FIRST_SGLANG_MXFP8_HOST = "0.5.21"

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_mxfp8_hicache import releases
 from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.geometry import FORMATS, INTERLEAVED_PAGE_SIZE, ScaleGeometry
 from sglang_mxfp8_hicache.page import HostPage
@@ -72,7 +73,7 @@ class HiCacheFlags:
             io_backend=args.hicache_io_backend or "kernel",
             storage_backend=args.hicache_storage_backend,
             storage_extra_config=extra_config,
-            decode_host_receive=threshold is not None and threshold < 1,
+            decode_host_receive=releases.decode_host_receive(threshold),
         )
 
 

@@ -2,19 +2,23 @@
 
 Every other module is written for 0.5.23's interface, where a host pool is
 built from an ``MHABufferInfo`` (the device pool's per-layer buffers and
-scales) and keyword geometry. 0.5.22 differs where a host pool meets SGLang:
+scales) and keyword geometry. 0.5.21 and 0.5.22 differ where a host pool meets
+SGLang:
 
-| | 0.5.22 | 0.5.23 |
-|---|---|---|
-| a host pool is built from | the device pool: ``cls(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *, mtp_draft_device_pools, pool_label)`` | ``MHABufferInfo`` and keyword geometry |
-| ``get_mha_host_pool_cls`` and ``prepare_mha_write_back_staging`` take | the device pool | ``MHABufferInfo`` |
-| ``HostKVCache.__init__`` | keyword geometry without ``host_token_capacity`` | keyword geometry |
-| ``_mha_host_inputs`` (where native nvfp4 scales are refused) | absent | present |
-| ``HiCacheStorageFailureInjector`` | absent | present |
+| | 0.5.21 | 0.5.22 | 0.5.23 |
+|---|---|---|---|
+| a host pool is built from | the device pool: ``cls(device_pool, ratio, host_size, page_size, layout, pin_memory, device, allocator_type, *, mtp_draft_device_pools, pool_label)`` | the same | ``MHABufferInfo`` and keyword geometry |
+| ``get_mha_host_pool_cls`` and ``prepare_mha_write_back_staging`` take | the device pool | the device pool | ``MHABufferInfo`` |
+| ``HostKVCache.__init__`` | reads a device pool (dtype, capacity, layers) | keyword geometry without ``host_token_capacity`` | keyword geometry |
+| ``_mha_host_inputs`` (where native nvfp4 scales are refused) | absent | absent | present |
+| ``HiCacheStorageFailureInjector`` | absent | absent | present |
+| the platform says whether the JIT HiCache kernels run | no: CUDA or ROCm | yes | yes |
+| PD decode host receive is on when the threshold is | > 0 | < 1 | < 1 |
+| the format in L3 keys (``storage_model_name``) | absent: the model name takes the tag | present | present |
 
 The kernels, the JIT loader, the controllers' index moves, the L2 engine's
 calls into the pool, the storage factory and the server-argument hooks are
-the same in both (``docs/releases.md``).
+the same in all three (``docs/releases.md``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ if TYPE_CHECKING:
 
 FIRST_BUFFER_INFO_RELEASE = "0.5.23"
 """The first release whose host pools are built from ``MHABufferInfo``."""
+FIRST_KEYWORD_BASE_RELEASE = "0.5.22"
+"""The first release whose ``HostKVCache.__init__`` takes keyword geometry;
+it also names the host receive threshold the other way round, says in its
+platform whether the HiCache kernels run, and tags L3 keys with the format."""
 
 
 def _release() -> tuple[int, ...]:
@@ -39,12 +47,54 @@ def _release() -> tuple[int, ...]:
     return Version(__version__).release
 
 
-@functools.cache
-def builds_from_device_pool() -> bool:
-    """Whether this SGLang builds host pools from the device pool (0.5.22)."""
+def _before(version: str) -> bool:
     from packaging.version import Version
 
-    return _release() < Version(FIRST_BUFFER_INFO_RELEASE).release
+    return _release() < Version(version).release
+
+
+@functools.cache
+def builds_from_device_pool() -> bool:
+    """Whether this SGLang builds host pools from the device pool (0.5.21, 0.5.22)."""
+    return _before(FIRST_BUFFER_INFO_RELEASE)
+
+
+@functools.cache
+def device_pool_base() -> bool:
+    """Whether this SGLang's ``HostKVCache.__init__`` reads a device pool (0.5.21)."""
+    return _before(FIRST_KEYWORD_BASE_RELEASE)
+
+
+def hicache_device_kernels(platform: Any) -> bool:
+    """Whether SGLang's JIT HiCache kernels run on ``platform``: it says so
+    from 0.5.22 on; 0.5.21's host pools use them on CUDA and ROCm."""
+    capabilities = getattr(platform, "capabilities", None)
+    if capabilities is not None:
+        return bool(capabilities.hicache_device_kernels)
+    from sglang.srt.utils import is_cuda, is_hip
+
+    return is_cuda() or is_hip()
+
+
+def decode_host_receive(threshold: float | None) -> bool:
+    """Whether PD decode receives KV into the host pool at ``threshold``
+    (``--disaggregation-decode-host-receive-threshold``): 0.5.21 turns it on
+    above 0 (default 0), later releases below 1 (default 1)."""
+    if threshold is None:
+        return False
+    return threshold > 0 if device_pool_base() else threshold < 1
+
+
+def storage_config_with_tag(storage_config: Any, tag: str) -> Any:
+    """``storage_config`` whose model name carries the pool's format ``tag``
+    where SGLang puts no format in L3 keys (0.5.21), so that pages of another
+    format or geometry under the same model are misses; as it is elsewhere."""
+    if not device_pool_base():
+        return storage_config
+    import dataclasses
+
+    name = getattr(storage_config, "model_name", None) or "model"
+    return dataclasses.replace(storage_config, model_name=f"{name}-{tag}")
 
 
 class PoolBuffers(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,15 +260,49 @@ def init_host_base(host: Any, payload_info: Any, **geometry: Any) -> None:
     host.head_num = payload_info.head_num
     host.layer_num = host.target_layer_num + len(drafts)
     host.page_size = geometry["page_size"]
-    HostKVCache.__init__(
-        host,
-        dtype=host.dtype,
-        size_per_token=host.get_size_per_token(),
-        **geometry,
-    )
+    if device_pool_base():
+        _init_device_pool_base(host, payload_info, geometry)
+    else:
+        HostKVCache.__init__(
+            host,
+            dtype=host.dtype,
+            size_per_token=host.get_size_per_token(),
+            **geometry,
+        )
     host.device_k_buffers = tuple(b for info in infos for b in info.buffers.k)
     host.device_v_buffers = tuple(b for info in infos for b in info.buffers.v)
     host._initialize_transfer_views(payload_info, None)
+
+
+def _init_device_pool_base(host: Any, payload_info: Any, geometry: dict) -> None:
+    """0.5.21's ``HostKVCache.__init__``, which reads the device pool's dtype,
+    capacity and layers: given those of the payload, and the device pool put
+    back (its layer-ownership helpers read it)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+    device_pool = getattr(host, "device_pool", None)
+    payload = SimpleNamespace(
+        store_dtype=payload_info.dtype,
+        size=geometry["device_capacity_tokens"],
+        host_capacity_tokens=None,
+        start_layer=geometry["start_layer"],
+        end_layer=geometry["end_layer"],
+    )
+    HostKVCache.__init__(
+        host,
+        payload,
+        geometry["host_to_device_ratio"],
+        geometry["host_size"],
+        geometry["page_size"],
+        geometry["layout"],
+        geometry["pin_memory"],
+        geometry["device"],
+        geometry["allocator_type"],
+        pool_label=geometry["pool_label"],
+    )
+    host.device_pool = device_pool if device_pool is not None else payload
 
 
 def failure_injector_type() -> type | None:

@@ -204,6 +204,9 @@ def guard_storage_backend(
     refused = pool.refusal_with_storage(backend_name, storage_config.extra_config or {})
     if refused is not None:
         raise refused.error(name, pool.pool_label)
+    storage_config = releases.storage_config_with_tag(
+        storage_config, pool.storage_format_tag
+    )
     built = original(factory, backend_name, storage_config, pool, **kwargs)
     injector_type = releases.failure_injector_type()
     injector = built if injector_type and isinstance(built, injector_type) else None

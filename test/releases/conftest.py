@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testkit import TEST_DIR
+
 
 @pytest.fixture(scope="session")
 def release_source(tmp_path_factory):
@@ -45,10 +47,12 @@ def release_source(tmp_path_factory):
 @pytest.fixture
 def on_release(release_source):
     """``run(version, argv)``: ``argv`` in a process whose ``sglang`` is that
-    release's source (the plugin loads through its ``load_plugins``)."""
+    release's source (the plugin loads through its ``load_plugins``), with
+    ``testkit`` importable."""
 
     def run(version: str, argv: list[str], **env: str) -> subprocess.CompletedProcess:
-        environ = {**os.environ, **env, "PYTHONPATH": str(release_source(version))}
+        path = os.pathsep.join((str(release_source(version)), str(TEST_DIR)))
+        environ = {**os.environ, **env, "PYTHONPATH": path}
         environ.pop("SGLANG_PLUGINS", None)
         return subprocess.run(
             [sys.executable, *argv],

@@ -1,10 +1,11 @@
-"""A served release other than the one this environment installs, on its real
-source (``conftest.on_release``): SGLang 0.5.22, which builds host pools from
-the device pool (``releases``). Through that release's own plugin loading,
-assembler, ``HybridCacheController`` and transfer engine, with the kernels
-emulated on the CPU (``testkit/e2e_cpu.py``), every setup restores payload and
-scales exactly, also through L3; alone, it keeps MXFP8 scales with its own
-class and loses FP4 scales with its plain one."""
+"""The served releases other than the one this environment installs, on their
+real sources (``conftest.on_release``): SGLang 0.5.21 and 0.5.22, which build
+host pools from the device pool (``releases``). Through the release's own
+plugin loading, assembler, ``HybridCacheController`` and transfer engine, with
+the kernels emulated on the CPU (``testkit/e2e_cpu.py``), every setup restores
+payload and scales exactly, also through L3 (0.5.21's keys, which carry no
+format, get the pool's tag); alone, each keeps MXFP8 scales with its own class
+and loses FP4 scales with its plain one."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from testkit import script
 from testkit.e2e import Verdict
 from testkit.e2e_cpu import assert_exact
 
-RELEASE = "0.5.22"
+RELEASES = ("0.5.21", "0.5.22")
 SETUPS = "kv,draft,sidecar_draft,layer_first,hybrid_swa,mamba,fp4_mx_block16,nvfp4"
 
 DISPATCH = """
@@ -49,8 +50,9 @@ def _verdicts(done) -> list[Verdict]:
     ]
 
 
-def test_every_setup_restores_exactly(on_release):
-    verdicts = _verdicts(on_release(RELEASE, [script("e2e_cpu"), "ours", SETUPS]))
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_setup_restores_exactly(on_release, release):
+    verdicts = _verdicts(on_release(release, [script("e2e_cpu"), "ours", SETUPS]))
     assert [v.setup for v in verdicts] == SETUPS.split(",")
     for verdict in verdicts:
         assert verdict.host_class == OURS, verdict
@@ -58,9 +60,10 @@ def test_every_setup_restores_exactly(on_release):
 
 
 @pytest.mark.parametrize("setup", ["kv", "fp4_mx_block16"])
-def test_l3_file_restores_exactly(on_release, setup):
+@pytest.mark.parametrize("release", RELEASES)
+def test_l3_file_restores_exactly(on_release, release, setup):
     [verdict] = _verdicts(
-        on_release(RELEASE, [script("e2e_cpu"), "ours", setup, "file"])
+        on_release(release, [script("e2e_cpu"), "ours", setup, "file"])
     )
     assert_exact(verdict)
     assert verdict.l3.payload_restored and verdict.l3.scales_restored, verdict
@@ -68,12 +71,13 @@ def test_l3_file_restores_exactly(on_release, setup):
 
 
 @pytest.mark.parametrize("disabled", [False, True])
-def test_dispatch_with_and_without_the_package(on_release, disabled):
+@pytest.mark.parametrize("release", RELEASES)
+def test_dispatch_with_and_without_the_package(on_release, release, disabled):
     """With the package, ours for every block-scaled pool; without it
     (``SGLANG_MXFP8_HICACHE_DISABLE``), SGLang's own MXFP8 class, and its
     plain class for FP4, which has no scales to move."""
     env = {"SGLANG_MXFP8_HICACHE_DISABLE": "1"} if disabled else {}
-    done = on_release(RELEASE, ["-c", DISPATCH], **env)
+    done = on_release(release, ["-c", DISPATCH], **env)
     assert done.returncode == 0, done.stderr[-3000:]
     chosen = json.loads(done.stdout.strip().splitlines()[-1])
     assert chosen["bf16"] == f"{SGLANG}.mha.MHATokenToKVPoolHost"
@@ -82,3 +86,38 @@ def test_dispatch_with_and_without_the_package(on_release, disabled):
         return
     assert chosen["mxfp8"] == f"{SGLANG}.mha_mxfp8.MHATokenToKVPoolMXFP8Host"
     assert chosen["fp4_mx_block16"] == chosen["nvfp4"] == chosen["bf16"]
+
+
+FILE_KEYS = """
+import dataclasses, os, sys, tempfile
+import pytest
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
+from testkit.kernel_emulation import install_stack_emulation
+install_stack_emulation(pytest.MonkeyPatch())
+os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = tempfile.mkdtemp()
+device_pool = build_device_pool(head_num=2, head_dim=128, layer_num=2, pages=3, device="cpu")
+host = build_host_pool(device_pool, MHATokenToKVPoolMXFP8Host,
+                       host_to_device_ratio=1.0, pin_memory=False)
+given = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+             attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+             is_page_first_layout=True, model_name="org/model")
+names = {field.name for field in dataclasses.fields(HiCacheStorageConfig)}
+config = HiCacheStorageConfig(**{k: v for k, v in given.items() if k in names})
+backend = StorageBackendFactory.create_backend("file", config, host)
+print(host.storage_format_tag, backend.config_suffix)
+"""
+
+
+def test_file_keys_carry_the_format_on_0_5_21(on_release):
+    """0.5.21 puts no format in L3 keys: the storage config the pool's backend
+    is built with names its tag, so a page of another format or geometry
+    under the same model is never read as this pool's."""
+    done = on_release("0.5.21", ["-c", FILE_KEYS])
+    assert done.returncode == 0, done.stderr[-3000:]
+    tag, suffix = done.stdout.strip().splitlines()[-1].split()
+    assert suffix.startswith(f"_org-model-{tag}_")

@@ -1,6 +1,6 @@
 """The releases this package does not serve, with their real sources: SGLang
-0.5.20 (an MXFP8 KV pool, no block-scaled host pool: silent scale loss) and
-0.5.21 (its own MXFP8 host pool; not tested with this package). The plugin
+0.5.19 and 0.5.20 (an MXFP8 KV pool, no block-scaled host pool: silent scale
+loss; the first to resolve arguments in ``resolve_once``). The plugin
 loads through the release's own ``load_plugins`` and must refuse a
 block-scaled KV cache with HiCache when the launcher resolves its arguments,
 and leave everything else alone.
@@ -43,7 +43,7 @@ print(json.dumps(found))
     "version, says",
     [
         ("0.5.20", "sglang 0.5.20 has an MXFP8 KV pool but no block-scaled HiCache"),
-        ("0.5.21", "sglang 0.5.21 is not a release it is tested with"),
+        ("0.5.19", "sglang 0.5.19 has an MXFP8 KV pool but no block-scaled HiCache"),
     ],
 )
 def test_unserved_release_refuses_at_startup(on_release, version, says):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -891,17 +892,33 @@ def _outside(stack: Stack, dst: _Sequences, device) -> list[tuple]:
     return kept
 
 
+def _load_into(controller, host_indices, rows, **kwargs):
+    """``controller.load`` of ``host_indices`` into the device ``rows``: the
+    controller takes them from 0.5.22 on; 0.5.21's allocates the rows itself,
+    so its allocator hands out these for that one load."""
+    if "device_indices" in inspect.signature(controller.load).parameters:
+        return controller.load(host_indices, device_indices=rows, **kwargs)
+    allocator = controller.mem_pool_device_allocator
+    allocator = getattr(allocator, "full_attn_allocator", allocator)
+    allocator.alloc = lambda need: rows if need == len(rows) else None
+    try:
+        return controller.load(host_indices, **kwargs)
+    finally:
+        del allocator.alloc
+
+
 def _load(stack: Stack, hosts: list[dict], dst: _Sequences) -> None:
     """Step 4: ``hosts`` loaded into ``dst`` through the controller, layer by
     layer, on its completion events, as the attention layers consume them."""
     controller = stack.controller
     for n, host in enumerate(hosts):
         side = _side_transfers(stack, dst, n, host)
-        loaded = controller.load(
+        loaded = _load_into(
+            controller,
             host["kv"],
+            dst.slots["kv"][n],
             node_id=99,
             extra_pools=side or None,
-            device_indices=dst.slots["kv"][n],
         )
         if loaded is None:
             raise RuntimeError("the controller refused the load")
@@ -1012,7 +1029,10 @@ def _fetch(controller, tokens: list[int]):
     controller.prefetch(CacheRequestHandle(rid="e2e-l3", attempt_id=0), tokens)
     hit = controller.prefetch_hit_queue.get(timeout=L3_TIMEOUT_S)
     hit_tokens = hit.storage_hit_count
-    fetched_host = controller.alloc_prefetch_host_buffers(hit, hit_tokens)
+    if hasattr(controller, "alloc_prefetch_host_buffers"):
+        fetched_host = controller.alloc_prefetch_host_buffers(hit, hit_tokens)
+    else:  # 0.5.21: the radix cache takes the host pages itself
+        fetched_host = controller.mem_pool_host.alloc(hit_tokens)
     hit.host_indices = fetched_host
     controller.prefetch_buffer.put(hit)
     fetched_tokens = 0

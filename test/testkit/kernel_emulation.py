@@ -721,7 +721,8 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
     platform = SimpleNamespace(
         capabilities=SimpleNamespace(hicache_device_kernels=True)
     )
-    monkeypatch.setattr(mha, "current_platform", platform)
+    # 0.5.21's host pools gate on _is_cuda alone; later ones on the platform.
+    monkeypatch.setattr(mha, "current_platform", platform, raising=False)
     monkeypatch.setattr(mha, "_is_cuda", True)
     monkeypatch.setattr(host_pool, "current_platform", platform)
     return kernels
@@ -737,7 +738,23 @@ def install_stack_emulation(monkeypatch) -> EmulatedKernels:
     _install_mamba_emulation(monkeypatch, kernels.pointers)
     _plain_host_memory(monkeypatch)
     _register_buffers_when_built(monkeypatch, kernels.pointers)
+    _cpu_device_module(monkeypatch)
     return kernels
+
+
+def _cpu_device_module(monkeypatch) -> None:
+    """The CPU's device module where a release bound CUDA's without a GPU:
+    0.5.21 asks torch for it bare, which its pinned torch (2.13) answers with
+    the CPU's here, and torch 2.14, which the tests run it on, with CUDA's."""
+    import torch
+    from sglang.srt.managers import cache_controller
+    from sglang.srt.mem_cache import l2_transfer
+
+    if torch.cuda.is_available():
+        return
+    for module in (cache_controller, l2_transfer):
+        if getattr(module, "device_module", None) is torch.cuda:
+            monkeypatch.setattr(module, "device_module", torch.get_device_module("cpu"))
 
 
 def _install_mamba_emulation(monkeypatch, pointers: PointerMap) -> None:

@@ -107,7 +107,7 @@ def test_register_is_idempotent(recorded_hooks):
     [
         ("0.5.20", "ERROR", "resolve_once", "back with wrong scales, silently"),
         ("0.5.16", "ERROR", "__post_init__", "back with wrong scales, silently"),
-        ("0.5.21", "WARNING", "resolve_once", "not a release it is tested with"),
+        ("0.5.24", "WARNING", "resolve_once", "not a release it is tested with"),
         ("0.6.0", "WARNING", "resolve_once", "not a release it is tested with"),
     ],
 )
