@@ -73,58 +73,17 @@ def device(request) -> str:
 def make_pools(device, request):
     """Builds a block-scaled device pool of ``2 * pages + 1`` pages and a host pool of
     three quarters of it on ``device``; destroys the host pools afterwards."""
-    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
-    from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
-    from testkit.pools import device_buffers
-
     kernels = request.getfixturevalue("cpu_kernels") if device == "cpu" else None
     hosts = []
 
-    def make(
-        *,
-        heads,
-        head_dim,
-        layers,
-        pages,
-        host_cls=MHATokenToKVPoolMXFP8Host,
-        drafts=None,
-        layout="page_first",
-        kv_cache_dtype="mxfp8",
-        page_size=128,
-        v_head_dim=None,
-    ):
-        """(device pool, host pool) of ``kv_cache_dtype``; with ``drafts=n``,
-        also the n one-layer draft device pools packed into the host pool
-        (MTP/NextN)."""
-        device_pools = [
-            build_device_pool(
-                head_num=heads,
-                head_dim=head_dim,
-                layer_num=n,
-                pages=2 * pages + 1,
-                device=device,
-                kv_cache_dtype=kv_cache_dtype,
-                page_size=page_size,
-                v_head_dim=v_head_dim,
-            )
-            for n in (layers, *[1] * (drafts or 0))
-        ]
-        device_pool, *draft_pools = device_pools
-        if kernels:
-            for pool in device_pools:
-                kernels.pointers.register(device_buffers(pool))
-        host = build_host_pool(
-            device_pool,
-            host_cls,
-            host_to_device_ratio=0.75,
-            pin_memory=device == "cuda",
-            drafts=draft_pools,
-            layout=layout,
+    def make(*, drafts=None, **geometry):
+        """(device pool, host pool) of ``_build_pools``' ``geometry``; with
+        ``drafts=n``, also the n one-layer draft device pools packed into the
+        host pool (MTP/NextN)."""
+        device_pool, host, draft_pools = _build_pools(
+            device, kernels, drafts=drafts or 0, **geometry
         )
         hosts.append(host)
-        if kernels:
-            # The kernels read host pointer tables.
-            kernels.pointers.register([host.kv_buffer])
         if drafts is None:
             return device_pool, host
         return device_pool, host, draft_pools
@@ -132,6 +91,59 @@ def make_pools(device, request):
     yield make
     for host in hosts:
         host.destroy()
+
+
+def _build_pools(
+    device,
+    kernels,
+    *,
+    heads,
+    head_dim,
+    layers,
+    pages,
+    host_cls=None,
+    drafts=0,
+    layout="page_first",
+    kv_cache_dtype="mxfp8",
+    page_size=128,
+    v_head_dim=None,
+):
+    """A device pool of ``kv_cache_dtype`` and ``drafts`` one-layer draft
+    pools, and the host pool (``host_cls``, ours by default) packing them;
+    on the CPU their buffers registered with ``kernels``' pointer map (the
+    kernels read host pointer tables too)."""
+    from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+    from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
+    from testkit.pools import device_buffers
+
+    device_pools = [
+        build_device_pool(
+            head_num=heads,
+            head_dim=head_dim,
+            layer_num=n,
+            pages=2 * pages + 1,
+            device=device,
+            kv_cache_dtype=kv_cache_dtype,
+            page_size=page_size,
+            v_head_dim=v_head_dim,
+        )
+        for n in (layers, *[1] * drafts)
+    ]
+    device_pool, *draft_pools = device_pools
+    if kernels:
+        for pool in device_pools:
+            kernels.pointers.register(device_buffers(pool))
+    host = build_host_pool(
+        device_pool,
+        host_cls or MHATokenToKVPoolMXFP8Host,
+        host_to_device_ratio=0.75,
+        pin_memory=device == "cuda",
+        drafts=draft_pools,
+        layout=layout,
+    )
+    if kernels:
+        kernels.pointers.register([host.kv_buffer])
+    return device_pool, host, draft_pools
 
 
 @pytest.fixture(scope="module")

@@ -704,52 +704,40 @@ def _plant_seaweedfs(io: StoragePageIO, key: str, fault: str) -> None:
     backend._s3.put_object(**target, Body=os.urandom(new_size[fault]))
 
 
-def _plant(io: StoragePageIO, key: str, fault: str, other: str = "") -> None:
-    """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
-    64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
-    heads (both objects), ``missing`` the page, ``missing_part`` its V object,
-    ``other_page`` another page's (NIXL: page ``other``'s)."""
-    if io.backend_name == "hf3fs":
-        _plant_hf3fs(io, key, fault)
+def _plant_dynamic(io: StoragePageIO, key: str, fault: str) -> None:
+    """The in-test backends keep a page as one object in ``STORE``."""
+    store_key = _dict_key(io, key)
+    if fault == "missing":
+        del dict_l3_backend.STORE[store_key]
         return
-    if io.backend_name == "nixl":
-        _plant_nixl(io, key, fault, other)
+    size = len(dict_l3_backend.STORE[store_key])
+    if fault == "other_page":  # a stale or foreign object of the right size
+        others = [k for k in dict_l3_backend.STORE if k != store_key]
+        dict_l3_backend.STORE[store_key] = dict_l3_backend.STORE[others[0]]
         return
-    if io.backend_name == "seaweedfs":
-        _plant_seaweedfs(io, key, fault)
+    new_size = {
+        "truncated": size - 64,
+        "short_by_one": size - 1,
+        "longer": size + 64,
+        "other_geometry": 2 * size,
+    }
+    dict_l3_backend.STORE[store_key] = os.urandom(new_size[fault])
+
+
+def _plant_file(io: StoragePageIO, key: str, fault: str) -> None:
+    """``file`` keeps a page as one file."""
+    path = _file_path(io, key)
+    if fault == "missing":
+        os.remove(path)
         return
-    if io.backend_name == "dynamic":
-        store_key = _dict_key(io, key)
-        if fault == "missing":
-            del dict_l3_backend.STORE[store_key]
-            return
-        size = len(dict_l3_backend.STORE[store_key])
-        if fault == "other_page":  # a stale or foreign object of the right size
-            others = [k for k in dict_l3_backend.STORE if k != store_key]
-            dict_l3_backend.STORE[store_key] = dict_l3_backend.STORE[others[0]]
-            return
-        new_size = {
-            "truncated": size - 64,
-            "short_by_one": size - 1,
-            "longer": size + 64,
-            "other_geometry": 2 * size,
-        }
-        dict_l3_backend.STORE[store_key] = os.urandom(new_size[fault])
-        return
-    if io.backend_name == "file":
-        path = _file_path(io, key)
-        if fault == "missing":
-            os.remove(path)
-            return
-        size = os.path.getsize(path)
-        new_size = {
-            "truncated": size - 1,
-            "longer": size + 64,
-            "other_geometry": 2 * size,
-        }
-        with open(path, "wb") as f:
-            f.write(os.urandom(new_size[fault]))
-        return
+    size = os.path.getsize(path)
+    new_size = {"truncated": size - 1, "longer": size + 64, "other_geometry": 2 * size}
+    with open(path, "wb") as f:
+        f.write(os.urandom(new_size[fault]))
+
+
+def _plant_mooncake(io: StoragePageIO, key: str, fault: str) -> None:
+    """Mooncake keeps a page's K and V parts as two objects."""
     store = io.storage_backend.store
     k_key, v_key = _mooncake_keys(io, key)
     if fault == "missing_part":
@@ -765,6 +753,23 @@ def _plant(io: StoragePageIO, key: str, fault: str, other: str = "") -> None:
             "other_geometry": 2 * size,
         }
         assert store.put(object_key, os.urandom(new_size[fault])) == 0
+
+
+def _plant(io: StoragePageIO, key: str, fault: str, other: str = "") -> None:
+    """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
+    64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
+    heads (both objects), ``missing`` the page, ``missing_part`` its V object,
+    ``other_page`` another page's (NIXL: page ``other``'s)."""
+    if io.backend_name == "nixl":
+        _plant_nixl(io, key, fault, other)
+        return
+    plant = {
+        "hf3fs": _plant_hf3fs,
+        "seaweedfs": _plant_seaweedfs,
+        "dynamic": _plant_dynamic,
+        "file": _plant_file,
+    }.get(io.backend_name, _plant_mooncake)
+    plant(io, key, fault)
 
 
 FAULTS = [

@@ -109,6 +109,12 @@ def test_setup_rows(cpu_bench, name, layout, drafts):
         assert (r.setup, r.drafts, r.refused) == (name, drafts, refused)
         assert list(r.ms) == ["ours", "sglang", "payload", "raw"]
         assert r.meets_goal()
+    _assert_named_in_tables(rows, name, drafts, refused)
+
+
+def _assert_named_in_tables(rows, name: str, drafts: int, refused: list[str]) -> None:
+    """The setup's rows as the tables and the JSON show them: named
+    ``draft(n)`` or by the setup, SGLang's cells 'refused' where it refuses."""
     label = f"draft({DRAFTS})" if drafts else name
     sglang_cell = "refused" if refused else f"{WHOLE_MS:.3f}"
     headers, body = bench.table(rows)
