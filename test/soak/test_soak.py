@@ -1,6 +1,6 @@
 """The scheduler's own radix cache drives the host pool under a seeded load
 (``soak.py``) over each stack, with faults injected (``fault_*``), across a
-restart (``restart``) and as two ranks (``tp2``): nothing it serves differs
+restart (``restart``) and as several ranks (``ranks``): nothing it serves differs
 from the shadow, no wait hangs, and the run did what it is for (backups,
 evictions, loads from host and L3, the faults).
 
@@ -168,34 +168,83 @@ def test_restart(request, tmp_path, backend):
         assert figures.mismatches == 0 and figures.pages_loaded_from_l3 == 0, other
 
 
-def test_tp2(request):
-    """Two ranks (two processes, gloo), each with its own heads' bytes, host
-    pool and L3 pages, driven in step; the last rank's stored pages are
-    damaged under it and the host pool is held: the controller's
-    cross-rank agreement makes both ranks take the same hits (the same pages
-    from L3 and host, the same requests), and each restores its own heads
-    exactly."""
-    ranks = soak(
-        request,
-        *("--tp", "2", "--l3", "file", "--flush-every", "30"),
-        *("--faults", "file,host_exhausted"),
-        ranks=2,
-    )
-    assert [r.tp_rank for r in ranks] == [0, 1]
+RANKS_AGREE_ON = (
+    "steps",
+    "requests_served",
+    "pages_loaded_from_l3",
+    "pages_loaded_from_host",
+    "tokens_checked",
+)
+"""What every rank of a run must count alike: the controller's cross-rank
+agreement gives them the same hits, so no rank restores a page another did not."""
+
+
+def _assert_ranks_agree(ranks: list[SoakFigures], tp: int) -> None:
+    assert [r.tp_rank for r in ranks] == list(range(tp))
     for figures in ranks:
         assert figures.mismatches == 0 and figures.hangs == 0, figures.first_mismatches
-    first, last = ranks
-    assert not {"file_truncated", "file_deleted"} & first.faults.keys()
-    assert {"file_truncated", "file_deleted"} <= last.faults.keys()
-    for field in (
-        "steps",
-        "requests_served",
-        "pages_loaded_from_l3",
-        "pages_loaded_from_host",
-        "tokens_checked",
-    ):
-        assert getattr(first, field) == getattr(last, field), field
-    assert first.requests_served > 20 and first.pages_loaded_from_l3 > 0
+        assert not figures.clean_error, figures.clean_error
+    first = ranks[0]
+    for field in RANKS_AGREE_ON:
+        assert {getattr(r, field) for r in ranks} == {getattr(first, field)}, field
+    assert first.requests_served > 20
+
+
+@pytest.mark.parametrize(
+    "tp, l3, faults, last_rank_only",
+    [
+        pytest.param(
+            2,
+            "file",
+            "file,host_exhausted",
+            {"file_truncated", "file_deleted"},
+            id="tp2-file",
+        ),
+        pytest.param(4, "file", "rank_read_error", {"rank_read_error"}, id="tp4-file"),
+        pytest.param(
+            2, "mooncake", "rank_read_error", {"rank_read_error"}, id="tp2-mooncake"
+        ),
+    ],
+)
+def test_ranks(request, tp, l3, faults, last_rank_only):
+    """``tp`` ranks (a process each, gloo; one GPU each where the machine has
+    them), each with its own heads' bytes, host pool and L3 pages, driven in
+    step over one L3 store (one ``file`` directory, or one Mooncake master
+    and node); the last rank's stored pages are damaged or its reads fail
+    while the others' succeed: every rank takes the same hits (the same pages
+    from L3 and host, the same requests) and restores its own heads exactly."""
+    if l3 == "mooncake":
+        from testkit.mooncake_loopback import mooncake_available
+
+        if reason := mooncake_available():
+            pytest.skip(reason)
+    flags = ("--tp", str(tp), "--l3", l3, "--flush-every", "30", "--faults", faults)
+    ranks = soak(request, *flags, ranks=tp)
+    _assert_ranks_agree(ranks, tp)
+    for figures in ranks[:-1]:
+        assert not last_rank_only & figures.faults.keys(), figures.faults
+    assert last_rank_only <= ranks[-1].faults.keys(), ranks[-1].faults
+    assert ranks[0].pages_loaded_from_l3 > 0
+
+
+def test_ranks_restart(request, tmp_path):
+    """Two ranks store their pages in one ``file`` directory; two new ranks,
+    storing nothing, find them and restore each rank's own heads exactly; four
+    ranks of the same model (half the heads each: other head shards, other
+    keys) find none of them."""
+    store = ("--l3", "file", "--l3-dir", str(tmp_path), "--flush-every", "30")
+    first = soak(request, "--tp", "2", "--heads", "2", *store, ranks=2)
+    _assert_ranks_agree(first, 2)
+    again = soak(
+        request, "--tp", "2", "--heads", "2", *store, "--no-l3-writes", ranks=2
+    )
+    _assert_ranks_agree(again, 2)
+    assert again[0].pages_loaded_from_l3 > 0
+    wider = soak(
+        request, "--tp", "4", "--heads", "1", *store, "--no-l3-writes", ranks=4
+    )
+    _assert_ranks_agree(wider, 4)
+    assert wider[0].pages_loaded_from_l3 == 0
 
 
 def test_sglang_write_back_oom_reproduces():

@@ -51,7 +51,11 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype", choices=("mxfp8", "fp4_mx_block16"), default="mxfp8"
     )
     parser.add_argument(
-        "--tp", type=int, choices=(1, 2), default=1, help="ranks, one process each"
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks, one process each: one GPU each where there are as many, "
+        "else every rank on the CPU (gloo, emulated kernels)",
     )
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--init-file", help=argparse.SUPPRESS)
@@ -100,8 +104,14 @@ def _refusal(args: argparse.Namespace) -> str | None:
             "as evictable, so an admitted prefill fails with 'Prefill out of "
             "memory' (test/sglang_write_back_oom.py reproduces it)"
         )
-    if args.tp > 1 and args.l3 == "mooncake":
-        return "--tp 2 shares one L3 --l3 file directory; not --l3 mooncake"
+    if args.tp < 1:
+        return f"--tp {args.tp}: one rank or more"
+    if args.tp > 1 and "node_restart" in faults:
+        return (
+            "--faults node_restart restarts the node of one process: run it with --tp 1"
+        )
+    if "rank_read_error" in faults and (args.tp < 2 or args.l3 is None):
+        return "--faults rank_read_error fails one rank's L3 reads: it needs --tp 2 or more and --l3"
     if args.tp > 1 and "kernel_refused" in faults:
         return "--faults kernel_refused ends one rank: run it with --tp 1"
     return None
@@ -111,8 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tp > 1 and args.init_file is None:
         return launch_ranks(args, argv if argv is not None else sys.argv[1:])
-    # Ranks run on the CPU (gloo, emulated kernels), as many as asked.
-    device = "cuda" if torch.cuda.is_available() and args.tp == 1 else "cpu"
+    device = rank_device(args)
     with pytest.MonkeyPatch.context() as monkeypatch:
         if device == "cpu":
             from testkit.kernel_emulation import install_stack_emulation
@@ -135,19 +144,36 @@ def main(argv: list[str] | None = None) -> None:
     print(msgspec.json.encode(figures).decode(), flush=True)
 
 
+def rank_device(args: argparse.Namespace) -> str:
+    """This rank's device: its own GPU where the machine has one per rank (the
+    real kernels), else the CPU for every rank (gloo, emulated kernels)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= args.tp:
+        torch.cuda.set_device(args.rank)
+        return "cuda"
+    return "cpu"
+
+
 def launch_ranks(args: argparse.Namespace, argv: list[str]) -> None:
     """``--tp`` processes of this script over one gloo rendezvous file and
-    one L3 directory; each prints its rank's figures, in rank order here."""
+    one L3 store (a directory for ``file``; for ``mooncake`` without
+    ``--l3-config``, one loopback master and storage node for every rank);
+    each prints its rank's figures, in rank order here."""
     import subprocess
 
-    with tempfile.TemporaryDirectory(prefix="soak-ranks-") as work:
+    with contextlib.ExitStack() as stack:
+        work = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-ranks-"))
         l3_dir = args.l3_dir or os.path.join(work, "l3")
         os.makedirs(l3_dir, exist_ok=True)  # only rank 0 would make it
+        shared = ["--init-file", os.path.join(work, "rendezvous")]
+        shared += [] if args.l3_dir else ["--l3-dir", l3_dir]
+        if args.l3 == "mooncake" and args.l3_config is None:
+            from testkit.mooncake_loopback import MooncakeLoopback
+
+            mooncake = stack.enter_context(MooncakeLoopback())
+            shared += ["--l3-config", json.dumps(mooncake.extra_config())]
         ranks = [
             subprocess.Popen(
-                [sys.executable, script("soak"), *argv, "--rank", str(rank)]
-                + ["--init-file", os.path.join(work, "rendezvous")]
-                + ([] if args.l3_dir else ["--l3-dir", l3_dir]),
+                [sys.executable, script("soak"), *argv, "--rank", str(rank), *shared],
                 stdout=subprocess.PIPE,
                 text=True,
             )

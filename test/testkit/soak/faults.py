@@ -22,6 +22,7 @@ FAULTS = (
     "eviction_race",
     "kernel_refused",
     "node_restart",
+    "rank_read_error",
 )
 """What ``--faults`` injects: ``file``, stored pages of L3 ``file`` truncated,
 lengthened or deleted under it; ``backend_error``, an L3 read that raises
@@ -33,8 +34,12 @@ load (after ``REFUSE_AFTER_STEPS``) whose device indices hold a page that is
 not one aligned run; ``node_restart``, the Mooncake storage node killed every
 ``NODE_RESTART_EVERY`` steps and started again (every object it held gone)
 once the master has unmounted it, ``NODE_CLIENT_TTL_S`` after its last
-heartbeat, and ``NODE_DOWN_STEPS`` have passed."""
+heartbeat, and ``NODE_DOWN_STEPS`` have passed; ``rank_read_error``, one L3
+read in ``RANK_READ_FAIL_EVERY`` of the last rank raising after writing its
+host pages while the other ranks' reads succeed (the ranks must still take
+the same hits)."""
 FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
+RANK_READ_FAIL_EVERY = 3
 NODE_RESTART_EVERY, NODE_DOWN_STEPS, NODE_CLIENT_TTL_S = 400, 10, 2
 
 
@@ -68,6 +73,8 @@ class Faults:
         self.lock = threading.Lock()
         if "backend_error" in self.kinds:
             self._make_backend_fail()
+        if "rank_read_error" in self.kinds and self.rank == self.tp - 1:
+            self._make_reads_fail(1 / RANK_READ_FAIL_EVERY, "rank_read_error")
         if "kernel_refused" in self.kinds:
             self._make_a_load_malformed()
 
@@ -108,14 +115,7 @@ class Faults:
         """One L3 read or write in eight raises; a read raises after the
         backend has written its batch's host pages, as a failure mid-batch."""
         controller, rng = self.controller, self.rng
-        get, put = controller.page_get_func, controller.page_set_func
-
-        def failing_get(*args, **kwargs):
-            hits = get(*args, **kwargs)
-            if rng.random() < 1 / 8:
-                self.count("backend_error")
-                raise RuntimeError("injected: L3 read failed mid-batch")
-            return hits
+        put = controller.page_set_func
 
         def failing_put(*args, **kwargs):
             if rng.random() < 1 / 8:
@@ -123,7 +123,23 @@ class Faults:
                 raise RuntimeError("injected: L3 write failed")
             return put(*args, **kwargs)
 
-        controller.page_get_func, controller.page_set_func = failing_get, failing_put
+        self._make_reads_fail(1 / 8, "backend_error")
+        controller.page_set_func = failing_put
+
+    def _make_reads_fail(self, rate: float, kind: str) -> None:
+        """A ``rate`` of this rank's L3 reads raise after the backend has
+        written their batch's host pages, as a failure mid-batch."""
+        controller, rng = self.controller, self.rng
+        get = controller.page_get_func
+
+        def failing_get(*args, **kwargs):
+            hits = get(*args, **kwargs)
+            if rng.random() < rate:
+                self.count(kind)
+                raise RuntimeError("injected: L3 read failed mid-batch")
+            return hits
+
+        controller.page_get_func = failing_get
 
     def _make_a_load_malformed(self) -> None:
         """The first load after ``REFUSE_AFTER_STEPS`` gets device indices
