@@ -264,3 +264,24 @@ def test_sglang_write_back_oom_reproduces():
         report = json.loads(done.stdout.strip().splitlines()[-1])
         assert report["freed"] == 0 and report["evictable_before"] > 0, report
         assert report["error"].startswith("Prefill out of memory"), report
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--tp", "0"], "--tp 0: one rank or more"),
+        (["--faults", "rank_read_error", "--l3", "file"], "needs --tp 2 or more"),
+        (["--tp", "2", "--faults", "rank_read_error"], "needs --tp 2 or more and --l3"),
+        (
+            ["--tp", "2", "--l3", "mooncake", "--faults", "node_restart"],
+            "run it with --tp 1",
+        ),
+    ],
+)
+def test_soak_refuses(capsys, argv, said):
+    """Combinations the soak cannot run stop at once, saying why."""
+    from testkit.soak import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert said in capsys.readouterr().err

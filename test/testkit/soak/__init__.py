@@ -12,8 +12,9 @@ arrival), are matched and admitted (host hits loaded back with
 and released, while device and host pressure evict; ``check_hicache_events``
 opens every step and ``flush_pending_backups`` closes it. With L3, every
 ``--flush-every`` steps the device and host tiers are emptied and overwritten
-(``flush_cache``), so that later hits come from L3. With ``--tp 2`` two
-processes do it in step over gloo, as two scheduler ranks.
+(``flush_cache``), so that later hits come from L3. With ``--tp N``, N
+processes do it in step over gloo, as N scheduler ranks (each on its own GPU
+where the machine has N, else all on the CPU).
 
 The shadow: the KV bytes of a token (payload and scales, K and V, every layer)
 are a function of its whole prefix, row ``h`` of a table where ``h`` is the
@@ -28,7 +29,7 @@ out counts as a hang.
 
     python test/soak.py --seconds 60 --seed 0 [--stack kv|draft|hybrid_swa]
         [--kv-cache-dtype fp4_mx_block16] [--write-policy write_back]
-        [--l3 file|mooncake] [--faults ...] [--tp 2] [--core python|rust]
+        [--l3 file|mooncake] [--faults ...] [--tp N] [--core python|rust]
 
 One process per rank (the plugin hook is process-wide); on a machine without
 CUDA the kernels are emulated (``kernel_emulation``). Prints one JSON line,
