@@ -204,6 +204,8 @@ def guard_storage_backend(
     refused = pool.refusal_with_storage(backend_name, storage_config.extra_config or {})
     if refused is not None:
         raise refused.error(name, pool.pool_label)
+    sealed = backend_name in SEALED_BACKENDS
+    seal_threads = seal.threads() if sealed else 0  # a bad value refused now
     storage_config = releases.storage_config_with_tag(
         storage_config, pool.storage_format_tag
     )
@@ -231,7 +233,9 @@ def guard_storage_backend(
         backend_name,
         pool.describe_storage_page(),
         pool.storage_format_tag,
-        " or seal" if backend_name in SEALED_BACKENDS else "",
+        f" or seal (sealed and checked on {seal_threads} threads, {seal.THREADS_ENV})"
+        if sealed
+        else "",
     )
     if injector is None:
         return guarded
@@ -358,21 +362,38 @@ def _page_parts(pool: Any, flat: torch.Tensor) -> list[Any]:
     return [data[:k_span], data[k_span:]]
 
 
-def _seal_page(pool: Any, flat: torch.Tensor, key: str) -> None:
-    seed = seal.key_seed(pool.storage_format_tag, key)
-    for part in _page_parts(pool, flat):
-        seal.write(part, pool.host_page.seal_bytes, seed)
+def _seal_pages(pool: Any, flats: Sequence[torch.Tensor], keys: Sequence[str]):
+    """Seals both parts of every page of a batch (``seal.write_all``)."""
+    parts, seeds = [], []
+    for flat, key in zip(flats, keys, strict=True):
+        seed = seal.key_seed(pool.storage_format_tag, key)
+        parts += _page_parts(pool, flat)
+        seeds += [seed, seed]
+    seal.write_all(parts, seeds, pool.host_page.seal_bytes)
 
 
-def _page_is_sealed(pool: Any, flat: torch.Tensor, key: str) -> bool:
-    """Whether both parts of ``flat`` carry the seal of their bytes under
-    ``key``; a reply that cannot be read as one page's bytes does not."""
-    seed = seal.key_seed(pool.storage_format_tag, key)
-    try:
-        parts = _page_parts(pool, flat)
-    except (RuntimeError, TypeError):  # not a contiguous CPU tensor
-        return False
-    return all(seal.holds(part, pool.host_page.seal_bytes, seed) for part in parts)
+def _pages_sealed(
+    pool: Any, flats: Sequence[torch.Tensor], keys: Sequence[str]
+) -> list[bool]:
+    """Whether both parts of each page carry the seal of their bytes under
+    its key; a reply that cannot be read as one page's bytes does not."""
+    parts, seeds, readable = [], [], []
+    for flat, key in zip(flats, keys, strict=True):
+        try:
+            page_parts = _page_parts(pool, flat)
+        except (RuntimeError, TypeError):  # not a contiguous CPU tensor
+            readable.append(False)
+            continue
+        readable.append(True)
+        seed = seal.key_seed(pool.storage_format_tag, key)
+        parts += page_parts
+        seeds += [seed, seed]
+    held = seal.hold_all(parts, seeds, pool.host_page.seal_bytes)
+    verdicts, part = [], 0
+    for ok in readable:
+        verdicts.append(ok and held[part] and held[part + 1])
+        part += 2 if ok else 0
+    return verdicts
 
 
 def _host_pages(pool: Any, host_indices: torch.Tensor) -> list[torch.Tensor]:
@@ -402,8 +423,7 @@ def _sealed_set(
     **kwargs: Any,
 ) -> Any:
     """A generic ``batch_set`` of flat pages (views of host pages), sealed first."""
-    for key, value in zip(keys, values, strict=True):
-        _seal_page(pool, value, key)
+    _seal_pages(pool, values, keys)
     return write(keys, values, *args, **kwargs)
 
 
@@ -416,8 +436,7 @@ def _sealed_set_v1(
     **kwargs: Any,
 ) -> Any:
     """A zero-copy ``batch_set_v1``, each host page sealed first."""
-    for key, page in zip(keys, _host_pages(pool, host_indices), strict=True):
-        _seal_page(pool, page, key)
+    _seal_pages(pool, _host_pages(pool, host_indices), keys)
     return write(keys, host_indices, *args, **kwargs)
 
 
@@ -435,17 +454,17 @@ def _checked_get(
     if results is None:
         return [None] * len(keys)
     expected = pool.host_page.span_bytes
-    wrong: list[WrongPage] = []
-    returned = len(keys)
-    for page, (key, result) in enumerate(zip(keys, results, strict=True)):
-        if result is None:  # SGLang takes no page after a miss
-            returned = page
-            break
-        found = result.numel() * result.element_size()
-        if found != expected:
-            wrong.append((page, key, found, expected))
-        elif not _page_is_sealed(pool, result, key):
-            wrong.append((page, key, UNSEALED, expected))
+    # SGLang takes no page after a miss.
+    returned = next((n for n, r in enumerate(results) if r is None), len(keys))
+    found = [r.numel() * r.element_size() for r in results[:returned]]
+    whole = [n for n, size in enumerate(found) if size == expected]
+    sealed = _pages_sealed(pool, [results[n] for n in whole], [keys[n] for n in whole])
+    unsealed = {n for n, ok in zip(whole, sealed, strict=True) if not ok}
+    wrong: list[WrongPage] = [
+        (n, keys[n], UNSEALED if n in unsealed else size, expected)
+        for n, size in enumerate(found)
+        if size != expected or n in unsealed
+    ]
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*results[:good], *[None] * (len(keys) - good)]
 
@@ -466,15 +485,12 @@ def _checked_get_v1(
     if results is None:
         return [False] * len(keys)
     expected = pool.host_page.span_bytes
-    wrong: list[WrongPage] = []
-    returned = len(keys)
-    pages = _host_pages(pool, host_indices)
-    for page, (key, hit, flat) in enumerate(zip(keys, results, pages, strict=True)):
-        if not hit:
-            returned = page
-            break
-        if not _page_is_sealed(pool, flat, key):
-            wrong.append((page, key, UNSEALED, expected))
+    returned = next((n for n, hit in enumerate(results) if not hit), len(keys))
+    pages = _host_pages(pool, host_indices)[:returned]
+    sealed = _pages_sealed(pool, pages, keys[:returned])
+    wrong: list[WrongPage] = [
+        (n, keys[n], UNSEALED, expected) for n, ok in enumerate(sealed) if not ok
+    ]
     good = min(returned, _leading_good_pages(wrong, len(keys)))
     return [*[True] * good, *[False] * (len(keys) - good)]
 

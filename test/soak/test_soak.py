@@ -90,6 +90,29 @@ def test_soak_payload_only_control_is_caught(request):
     assert figures.pages_loaded_from_host > 0 and figures.mismatches > 0
 
 
+def test_soak_beside_sglang(request):
+    """SGLang's own MXFP8 host class beside ours on the same device pool,
+    through the tree's backups, loads and L3 round trips: after every backup,
+    each page's payload and scales (every layer, K and V) are the same bytes
+    on the device, in our host page and in SGLang's; after every load, the
+    device pages hold what both hosts hold."""
+    figures = soak(request, "--beside-sglang", "--l3", "file", "--flush-every", "30")
+    assert figures.mismatches == 0 and figures.hangs == 0, figures.first_mismatches
+    assert figures.beside_sglang_backed_up == figures.pages_backed_up > 0
+    assert figures.beside_sglang_loaded > 0
+
+
+def test_soak_beside_sglang_control_is_caught(request):
+    """A scale byte of SGLang's copy of each backed-up page flipped: the
+    comparison names SGLang's copy, and only it."""
+    figures = soak(request, "--beside-sglang", "--beside-sglang-control")
+    assert figures.beside_sglang_backed_up > 0 and figures.mismatches > 0
+    assert all(
+        "K scales: ours == device, SGLang's != device" in said
+        for said in figures.first_mismatches
+    ), figures.first_mismatches[:3]
+
+
 @pytest.mark.parametrize(
     "faults, kinds",
     [
@@ -191,40 +214,60 @@ def _assert_ranks_agree(ranks: list[SoakFigures], tp: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "tp, l3, faults, last_rank_only",
+    "tp, flags, last_rank_only",
     [
         pytest.param(
             2,
-            "file",
-            "file,host_exhausted",
+            ["--l3", "file", "--faults", "file,host_exhausted"],
             {"file_truncated", "file_deleted"},
             id="tp2-file",
         ),
-        pytest.param(4, "file", "rank_read_error", {"rank_read_error"}, id="tp4-file"),
         pytest.param(
-            2, "mooncake", "rank_read_error", {"rank_read_error"}, id="tp2-mooncake"
+            2,
+            ["--l3", "mooncake", "--faults", "rank_read_error"],
+            {"rank_read_error"},
+            id="tp2-mooncake",
+        ),
+        pytest.param(2, ["--beside-sglang"], set(), id="tp2-beside_sglang"),
+        pytest.param(
+            4,
+            ["--l3", "file", "--faults", "rank_read_error", "--beside-sglang"],
+            {"rank_read_error"},
+            id="tp4-file-beside_sglang",
         ),
     ],
 )
-def test_ranks(request, tp, l3, faults, last_rank_only):
+def test_ranks(request, tp, flags, last_rank_only):
     """``tp`` ranks (a process each, gloo; one GPU each where the machine has
     them), each with its own heads' bytes, host pool and L3 pages, driven in
     step over one L3 store (one ``file`` directory, or one Mooncake master
     and node); the last rank's stored pages are damaged or its reads fail
     while the others' succeed: every rank takes the same hits (the same pages
-    from L3 and host, the same requests) and restores its own heads exactly."""
-    if l3 == "mooncake":
+    from L3 and host, the same requests) and restores its own heads exactly.
+    With SGLang's own class beside ours, every rank's backups (and, without
+    L3 flushing the host tier, its loads) agree byte for byte with it."""
+    if "mooncake" in flags:
         from testkit.mooncake_loopback import mooncake_available
 
         if reason := mooncake_available():
             pytest.skip(reason)
-    flags = ("--tp", str(tp), "--l3", l3, "--flush-every", "30", "--faults", faults)
-    ranks = soak(request, *flags, ranks=tp)
+    l3 = "--l3" in flags
+    ranks = soak(
+        request, "--tp", str(tp), *flags, *["--flush-every", "30"] * l3, ranks=tp
+    )
     _assert_ranks_agree(ranks, tp)
     for figures in ranks[:-1]:
         assert not last_rank_only & figures.faults.keys(), figures.faults
     assert last_rank_only <= ranks[-1].faults.keys(), ranks[-1].faults
-    assert ranks[0].pages_loaded_from_l3 > 0
+    beside = "--beside-sglang" in flags
+    for figures in ranks:
+        assert (figures.beside_sglang_backed_up > 0) == beside, figures
+        if beside and not l3:  # with L3 the host tier is flushed: few host loads
+            assert figures.beside_sglang_loaded > 0, figures
+    if l3:
+        assert ranks[0].pages_loaded_from_l3 > 0
+    else:
+        assert ranks[0].pages_loaded_from_host > 0
 
 
 def test_ranks_restart(request, tmp_path):

@@ -265,6 +265,30 @@ class SGLangDirectCopies(_RowCopies):
             dst_rows = _bytes(dst.view(-1, element_dim))
             dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
 
+    def transfer_hicache_one_layer_mla(
+        self,
+        cache_dst,
+        indices_dst,
+        cache_src,
+        indices_src,
+        *,
+        element_dim=None,
+        unroll=None,
+        block_quota=None,
+        page_size=None,
+    ) -> None:
+        """MLA's one buffer of one layer: rows of ``element_dim`` elements
+        (SGLang's MXFP8 host pool loads its scale pages with it, over page
+        numbers)."""
+        element_dim = element_dim or cache_dst.size(-1)
+        self.calls.append(("one_layer_mla", element_dim * cache_dst.element_size()))
+        assert indices_dst.dtype in (torch.int32, torch.int64)
+        assert indices_src.dtype in (torch.int32, torch.int64)
+        assert indices_dst.numel() == indices_src.numel()
+        src_rows = _bytes(cache_src.view(-1, element_dim))
+        dst_rows = _bytes(cache_dst.view(-1, element_dim))
+        dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
+
 
 class SGLangStagedWriteBack(_RowCopies):
     """SGLang's staged write-back (``staged_write_back.cuh``): device pages
@@ -292,6 +316,44 @@ class SGLangStagedWriteBack(_RowCopies):
         unroll=None,
         block_quota=None,
     ) -> None:
+        self._staged_lf_pf(
+            ((k_ptr_src, staging_k, dst_k), (v_ptr_src, staging_v, dst_v)),
+            src_indices,
+            dst_indices,
+            page_size,
+            element_size,
+        )
+
+    def transfer_hicache_all_layer_mla_staged_lf_pf(
+        self,
+        ptr_src,
+        src_indices,
+        dst_indices,
+        staging,
+        dst,
+        *,
+        page_size,
+        element_size=None,
+        unroll=None,
+        block_quota=None,
+    ) -> None:
+        """MLA's one buffer per layer (SGLang's MXFP8 host pool moves its scale
+        pages with it, ``page_size`` 1 over page numbers)."""
+        self._staged_lf_pf(
+            ((ptr_src, staging, dst),),
+            src_indices,
+            dst_indices,
+            page_size,
+            element_size,
+        )
+
+    def _staged_lf_pf(
+        self, sides, src_indices, dst_indices, page_size, element_size
+    ) -> None:
+        """Each side's (pointer table, staging, host) pages: the device pages
+        of ``src_indices`` gathered into staging, every layer, then copied
+        whole to the host pages of ``dst_indices``, one staging load at a time."""
+        staging_k = sides[0][1]
         element_size = (
             element_size or staging_k[0, 0].numel() * staging_k.element_size()
         )
@@ -300,7 +362,8 @@ class SGLangStagedWriteBack(_RowCopies):
         assert dst_indices.device.type == "cpu" and dst_indices.dtype == torch.int64
         assert src_indices.dtype in (torch.int32, torch.int64)
         layer_num = staging_k.shape[1]
-        assert k_ptr_src.dtype == torch.uint64 and k_ptr_src.numel() == layer_num
+        for ptrs, _, _ in sides:
+            assert ptrs.dtype == torch.uint64 and ptrs.numel() == layer_num
         src_pages = src_indices[::page_size].tolist()
         capacity = staging_k.shape[0] // page_size
         for begin in range(0, len(src_pages), capacity):
@@ -308,10 +371,7 @@ class SGLangStagedWriteBack(_RowCopies):
             tokens = len(chunk) * page_size
             chunk_dst = dst_indices[begin * page_size : begin * page_size + tokens]
             assert chunk_dst.numel() == tokens, "staging token count mismatch"
-            for ptrs, staging, dst in (
-                (k_ptr_src, staging_k, dst_k),
-                (v_ptr_src, staging_v, dst_v),
-            ):
+            for ptrs, staging, dst in sides:
                 staged = _bytes(staging[:tokens]).view(tokens, layer_num, element_size)
                 for layer, address in enumerate(ptrs.tolist()):
                     rows = self.pointers.rows(address, element_size)
@@ -707,6 +767,8 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
         "transfer_hicache_all_layer",
         "transfer_hicache_all_layer_mla",
         "transfer_hicache_all_layer_staged_lf_pf",
+        "transfer_hicache_all_layer_mla_staged_lf_pf",
+        "transfer_hicache_one_layer_mla",
         "_jit_hicache_module",
     ):
         monkeypatch.setattr(hicache_jit, name, getattr(kernels, name))
@@ -718,6 +780,7 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
         "transfer_hicache_all_layer_staged_lf_pf",
     ):
         monkeypatch.setattr(mha, f"jit_{name}", getattr(kernels, name))
+    _install_sglang_mxfp8_host_emulation(monkeypatch, kernels)
     platform = SimpleNamespace(
         capabilities=SimpleNamespace(hicache_device_kernels=True)
     )
@@ -726,6 +789,25 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(mha, "_is_cuda", True)
     monkeypatch.setattr(host_pool, "current_platform", platform)
     return kernels
+
+
+def _install_sglang_mxfp8_host_emulation(monkeypatch, kernels: EmulatedKernels):
+    """SGLang's own MXFP8 host pool (0.5.21 on) moves its scale pages with the
+    MLA entry points, under names of its own."""
+    try:
+        from sglang.srt.mem_cache.pool_host import mha_mxfp8
+    except ImportError:  # a release without it
+        return
+    monkeypatch.setattr(
+        mha_mxfp8,
+        "can_use_write_back_jit_kernel",
+        kernels.can_use_write_back_jit_kernel,
+    )
+    for name in (
+        "transfer_hicache_all_layer_mla_staged_lf_pf",
+        "transfer_hicache_one_layer_mla",
+    ):
+        monkeypatch.setattr(mha_mxfp8, f"jit_{name}", getattr(kernels, name))
 
 
 def install_stack_emulation(monkeypatch) -> EmulatedKernels:

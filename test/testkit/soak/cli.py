@@ -76,6 +76,18 @@ def _parser() -> argparse.ArgumentParser:
         help=f"comma separated, of {', '.join(FAULTS)}",
     )
     parser.add_argument(
+        "--beside-sglang",
+        action="store_true",
+        help="SGLang's own MXFP8 host class beside ours on the same device pool, "
+        "both hosts and the device compared after every backup and load",
+    )
+    parser.add_argument(
+        "--beside-sglang-control",
+        action="store_true",
+        help="with --beside-sglang: a scale byte of SGLang's copy of each page "
+        "flipped, which the comparison must catch",
+    )
+    parser.add_argument(
         "--payload-only",
         action="store_true",
         help="the control: SGLang's host pool moving the payload alone",
@@ -103,6 +115,15 @@ def _refusal(args: argparse.Namespace) -> str | None:
             "an L3 write's host lock while the host pool is full, yet counts it "
             "as evictable, so an admitted prefill fails with 'Prefill out of "
             "memory' (test/sglang_write_back_oom.py reproduces it)"
+        )
+    if args.beside_sglang_control and not args.beside_sglang:
+        return "--beside-sglang-control needs --beside-sglang"
+    if args.beside_sglang and (
+        args.stack != "kv" or args.kv_cache_dtype != "mxfp8" or args.payload_only
+    ):
+        return (
+            "--beside-sglang: SGLang's MXFP8 host class serves page_first MXFP8 "
+            "pools without drafts: --stack kv, --kv-cache-dtype mxfp8"
         )
     if args.tp < 1:
         return f"--tp {args.tp}: one rank or more"

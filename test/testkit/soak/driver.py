@@ -52,6 +52,16 @@ class Soak:
             l3_dir,
             mooncake,
         )
+        if args.beside_sglang:
+            from testkit.soak.beside import BesideSGLang
+
+            BesideSGLang(
+                self.cache,
+                layers[0].pool,
+                self.figures,
+                device,
+                control=args.beside_sglang_control,
+            )
         if args.no_l3_writes:  # what is in L3 came from another process
             self.controller.page_set_func = lambda *args, **kwargs: False
         self.forward = Forward(

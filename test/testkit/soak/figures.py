@@ -37,6 +37,11 @@ class SoakFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Of those, loaded after the storage node was first started again
     (``node_restart``): the store serves again once it is back."""
     tier_flushes: int = 0
+    beside_sglang_backed_up: int = 0
+    """With ``--beside-sglang``: pages SGLang's MXFP8 host class backed up
+    beside ours, each compared with the device and ours."""
+    beside_sglang_loaded: int = 0
+    """Pages ours loaded whose device bytes were compared with both hosts'."""
     faults: dict[str, int] = {}
     tokens_checked: int = 0
     mismatches: int = 0
