@@ -16,9 +16,11 @@ stored under another key, or by a pool of another format, does not match;
 seed. SGLang already depends on ``xxhash``.
 
 A batch's parts are sealed and checked on ``SGLANG_MXFP8_HICACHE_SEAL_THREADS``
-threads (default 8): one xxh3 pass is bound by what one core reads from
-memory (about 7 GB/s on the GPU hosts here), xxh3 runs outside the GIL, and 8
-threads read 4-5x as fast (``docs/benchmarks.md``).
+threads (default 1, the storage thread itself). One xxh3 pass is bound by
+what one core reads from memory (about 7 GB/s on the GPU hosts here) and runs
+outside the GIL, so 8 threads digest 4x as fast; but beside NIXL's file
+writes they did not make its puts and gets faster on the GPU machine's host
+(``docs/benchmarks.md``), so more threads are the operator's to try.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from sglang_mxfp8_hicache.page import SEAL_CONTENT_BYTES
 
 MAGIC = b"MXHCSEAL"
 THREADS_ENV = "SGLANG_MXFP8_HICACHE_SEAL_THREADS"
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = 1
 
 
 def key_seed(tag: str, key: str) -> int:

@@ -233,9 +233,7 @@ def guard_storage_backend(
         backend_name,
         pool.describe_storage_page(),
         pool.storage_format_tag,
-        f" or seal (sealed and checked on {seal_threads} threads, {seal.THREADS_ENV})"
-        if sealed
-        else "",
+        f" or seal ({seal.THREADS_ENV}={seal_threads})" if sealed else "",
     )
     if injector is None:
         return guarded
@@ -454,8 +452,9 @@ def _checked_get(
     if results is None:
         return [None] * len(keys)
     expected = pool.host_page.span_bytes
-    # SGLang takes no page after a miss.
-    returned = next((n for n, r in enumerate(results) if r is None), len(keys))
+    # SGLang takes no page after a miss (or past a short reply).
+    replied = min(len(keys), len(results))
+    returned = next((n for n, r in enumerate(results[:replied]) if r is None), replied)
     found = [r.numel() * r.element_size() for r in results[:returned]]
     whole = [n for n, size in enumerate(found) if size == expected]
     sealed = _pages_sealed(pool, [results[n] for n in whole], [keys[n] for n in whole])
@@ -485,7 +484,8 @@ def _checked_get_v1(
     if results is None:
         return [False] * len(keys)
     expected = pool.host_page.span_bytes
-    returned = next((n for n, hit in enumerate(results) if not hit), len(keys))
+    replied = min(len(keys), len(results))
+    returned = next((n for n, hit in enumerate(results[:replied]) if not hit), replied)
     pages = _host_pages(pool, host_indices)[:returned]
     sealed = _pages_sealed(pool, pages, keys[:returned])
     wrong: list[WrongPage] = [
