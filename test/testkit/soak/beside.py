@@ -59,8 +59,8 @@ class BesideSGLang:
         load = ours.load_to_device_per_layer
         last_layer = ours.target_layer_num - 1
 
-        def allocated(need_size: int):
-            indices = alloc(need_size)
+        def allocated(need_size: int, **kwargs):
+            indices = alloc(need_size, **kwargs)
             if indices is not None:  # to be written afresh, by a backup or L3
                 self.mirrored.difference_update(self._pages(indices))
             return indices
