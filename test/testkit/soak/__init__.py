@@ -38,8 +38,9 @@ CUDA the kernels are emulated (``kernel_emulation``). Prints one JSON line,
 By concern: ``stacks`` builds the cache and holds the geometry, ``workload``
 makes the requests and admits one, ``driver`` runs the scheduler's loop,
 ``shadow`` holds the bytes every token must have and checks them, ``faults``
-injects and counts ``--faults``, ``figures`` is what a run reports, ``cli``
-the command line.
+injects and counts ``--faults``, ``beside`` runs SGLang's own MXFP8 host
+class beside ours (``--beside-sglang``), ``figures`` is what a run reports,
+``cli`` the command line.
 """
 
 from testkit.soak.cli import main, parse_args
