@@ -84,9 +84,10 @@ _T = TypeVar("_T")
 
 
 def _each(work: Callable[[np.ndarray, int], _T], parts, seeds) -> list[_T]:
-    """``work(part, seed)`` for every part, on ``threads()`` threads."""
-    count = min(threads(), len(parts))
-    if count <= 1:
+    """``work(part, seed)`` for every part, on ``threads()`` threads (one
+    pool of them per process, whatever the batch's size)."""
+    count = threads()
+    if count == 1 or len(parts) <= 1:
         return [work(part, seed) for part, seed in zip(parts, seeds, strict=True)]
     with _executors_lock:  # storage threads of several pools may be here at once
         if count not in _executors:

@@ -255,15 +255,13 @@ class SGLangDirectCopies(_RowCopies):
         block_quota=None,
         page_size=None,
     ) -> None:
-        element_dim = element_dim or k_cache_dst.size(-1)
-        self.calls.append(("one_layer", element_dim * k_cache_dst.element_size()))
-        assert indices_dst.dtype in (torch.int32, torch.int64)
-        assert indices_src.dtype in (torch.int32, torch.int64)
-        assert indices_dst.numel() == indices_src.numel()
-        for src, dst in ((k_cache_src, k_cache_dst), (v_cache_src, v_cache_dst)):
-            src_rows = _bytes(src.view(-1, element_dim))
-            dst_rows = _bytes(dst.view(-1, element_dim))
-            dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
+        self._one_layer(
+            "one_layer",
+            ((k_cache_src, k_cache_dst), (v_cache_src, v_cache_dst)),
+            indices_dst,
+            indices_src,
+            element_dim,
+        )
 
     def transfer_hicache_one_layer_mla(
         self,
@@ -280,14 +278,27 @@ class SGLangDirectCopies(_RowCopies):
         """MLA's one buffer of one layer: rows of ``element_dim`` elements
         (SGLang's MXFP8 host pool loads its scale pages with it, over page
         numbers)."""
-        element_dim = element_dim or cache_dst.size(-1)
-        self.calls.append(("one_layer_mla", element_dim * cache_dst.element_size()))
+        self._one_layer(
+            "one_layer_mla",
+            ((cache_src, cache_dst),),
+            indices_dst,
+            indices_src,
+            element_dim,
+        )
+
+    def _one_layer(self, name, caches, indices_dst, indices_src, element_dim) -> None:
+        """Rows of ``element_dim`` elements (the first destination's last dim
+        by default) from each source cache to its destination, row
+        ``indices_src[i]`` to row ``indices_dst[i]``."""
+        element_dim = element_dim or caches[0][1].size(-1)
+        self.calls.append((name, element_dim * caches[0][1].element_size()))
         assert indices_dst.dtype in (torch.int32, torch.int64)
         assert indices_src.dtype in (torch.int32, torch.int64)
         assert indices_dst.numel() == indices_src.numel()
-        src_rows = _bytes(cache_src.view(-1, element_dim))
-        dst_rows = _bytes(cache_dst.view(-1, element_dim))
-        dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
+        for src, dst in caches:
+            src_rows = _bytes(src.view(-1, element_dim))
+            dst_rows = _bytes(dst.view(-1, element_dim))
+            dst_rows[indices_dst.long()] = src_rows[indices_src.long()]
 
 
 class SGLangStagedWriteBack(_RowCopies):
