@@ -165,20 +165,28 @@ def torch_device(device: Any) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
+def device_buffer_info(device_pool: Any) -> Any:
+    """``device_pool``'s buffer info on any served release: SGLang's own
+    ``MHABufferInfo`` (0.5.23), else one made from the pool (``buffer_info``)."""
+    if builds_from_device_pool():
+        return buffer_info(device_pool)
+    return device_pool.get_device_pool_infos()[0].buffer_info
+
+
+def host_pool_selector_input(device_pool: Any) -> Any:
+    """What this release's assembler hands ``get_mha_host_pool_cls`` (and
+    ``prepare_mha_write_back_staging``) for ``device_pool``: the device pool
+    itself before 0.5.23, its ``MHABufferInfo`` from then on."""
+    if builds_from_device_pool():
+        return device_pool
+    return device_buffer_info(device_pool)
+
+
 def host_pool_inputs(device_pool: Any, drafts: Sequence[Any] = ()) -> dict[str, Any]:
     """The keyword arguments (buffer info, drafts', capacity, layers) 0.5.23's
     assembler gives a host pool for ``device_pool``, on any served release."""
-    info = (
-        buffer_info(device_pool)
-        if builds_from_device_pool()
-        else device_pool.get_device_pool_infos()[0].buffer_info
-    )
-    draft_infos = tuple(
-        buffer_info(d)
-        if builds_from_device_pool()
-        else d.get_device_pool_infos()[0].buffer_info
-        for d in drafts
-    )
+    info = device_buffer_info(device_pool)
+    draft_infos = tuple(device_buffer_info(d) for d in drafts)
     capacity = getattr(device_pool, "host_capacity_tokens", None)
     return dict(
         buffer_info=info,

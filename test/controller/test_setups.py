@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 
+from sglang_mxfp8_hicache import releases
 from testkit.e2e import SETUPS
 from testkit.e2e_cpu import assert_control_loses_scales, assert_exact, run_cpu
 
@@ -48,6 +49,11 @@ def test_controller_restores_exactly(verdicts, setup):
 
 @pytest.mark.parametrize("setup", SETUPS)
 def test_payload_only_control_loses_scales(verdicts, setup):
+    if "fp4" in setup and releases.builds_from_device_pool():
+        pytest.skip(
+            "before 0.5.23 SGLang's plain host class sizes an FP4 pool a byte per "
+            "element and takes no payload-only view of it: no control to run"
+        )
     assert_control_loses_scales(verdicts[_key(setup, "plain")])
 
 

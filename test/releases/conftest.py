@@ -1,5 +1,7 @@
 """The releases' own sources: ``sglang/`` of each release's wheel, run on this
-environment's dependencies (0.5.20-0.5.22 import beside 0.5.23's)."""
+environment's dependencies (0.5.20-0.5.22 import beside 0.5.23's), or the
+installed SGLang where a test asks for its release (``.ci/run`` gives each
+served release an environment of its own)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,12 @@ def release_source(tmp_path_factory):
     """``sglang/`` of a release's wheel (``pip download --no-deps``), by version."""
     trees: dict[str, Path] = {}
 
-    def source(version: str) -> Path:
+    def source(version: str) -> Path | None:
+        """None for the installed release: its own environment runs it."""
+        from sglang.version import __version__
+
+        if version == __version__:
+            return None
         if version not in trees:
             where = tmp_path_factory.mktemp(f"sglang-{version}")
             done = subprocess.run(
@@ -47,11 +54,12 @@ def release_source(tmp_path_factory):
 @pytest.fixture
 def on_release(release_source):
     """``run(version, argv)``: ``argv`` in a process whose ``sglang`` is that
-    release's source (the plugin loads through its ``load_plugins``), with
-    ``testkit`` importable."""
+    release's source, or the installed SGLang if it is that release (the
+    plugin loads through its ``load_plugins``), with ``testkit`` importable."""
 
     def run(version: str, argv: list[str], **env: str) -> subprocess.CompletedProcess:
-        path = os.pathsep.join((str(release_source(version)), str(TEST_DIR)))
+        source = release_source(version)
+        path = os.pathsep.join(str(p) for p in (source, TEST_DIR) if p is not None)
         environ = {**os.environ, **env, "PYTHONPATH": path}
         environ.pop("SGLANG_PLUGINS", None)
         return subprocess.run(

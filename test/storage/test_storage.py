@@ -30,7 +30,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import storage
+from sglang_mxfp8_hicache import releases, storage
 from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
@@ -996,7 +996,7 @@ def test_mooncake_startup_allocator_round_trip(
     device_pool = build_device_pool(
         head_num=4, head_dim=128, layer_num=2, pages=9, device="cpu"
     )
-    info = device_pool.get_device_pool_infos()[0].buffer_info
+    info = releases.device_buffer_info(device_pool)
     host = MHATokenToKVPoolMXFP8Host(
         info,
         1.0,

@@ -580,10 +580,14 @@ def _use_payload_only_hosts() -> None:
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+    from sglang_mxfp8_hicache import releases
     from sglang_mxfp8_hicache.geometry import is_packed_fp4
 
-    hybrid_pool_assembler.get_mha_host_pool_cls = lambda info: (
-        PayloadOnlyHost if is_packed_fp4(info) else MHATokenToKVPoolHost
+    # Handed a buffer info (0.5.23) or the device pool (releases before it).
+    hybrid_pool_assembler.get_mha_host_pool_cls = lambda given: (
+        PayloadOnlyHost
+        if is_packed_fp4(releases.buffer_info(given))
+        else MHATokenToKVPoolHost
     )
 
 

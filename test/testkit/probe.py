@@ -16,10 +16,13 @@ import json
 import logging
 import sys
 
+from sglang_mxfp8_hicache import releases
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
 
 
-def device_buffer_info(kind: str, page_size: int = 128):
+def selector_input(kind: str, page_size: int = 128):
+    """What the release's assembler hands ``get_mha_host_pool_cls`` for a small
+    CPU pool of ``kind`` (``releases.host_pool_selector_input``)."""
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
@@ -35,7 +38,7 @@ def device_buffer_info(kind: str, page_size: int = 128):
             device="cpu",
             kv_cache_dtype=kind,
         )
-        return pool.get_device_pool_infos()[0].buffer_info
+        return releases.host_pool_selector_input(pool)
 
     cls, dtype = {
         "mxfp8": (MHATokenToKVPoolMXFP8, torch.float8_e4m3fn),
@@ -52,7 +55,7 @@ def device_buffer_info(kind: str, page_size: int = 128):
         device="cpu",
         enable_memory_saver=False,
     )
-    return pool.get_device_pool_infos()[0].buffer_info
+    return releases.host_pool_selector_input(pool)
 
 
 def probe(assembler_first: bool = False) -> dict[str, str]:
@@ -66,11 +69,11 @@ def probe(assembler_first: bool = False) -> dict[str, str]:
     from sglang.srt.mem_cache.pool_host import mha
 
     infos = {
-        "mxfp8": device_buffer_info("mxfp8"),
-        "mxfp8_page64": device_buffer_info("mxfp8", page_size=64),
-        **{kind: device_buffer_info(kind) for kind in FP4_FORMAT_NAMES},
-        "bf16": device_buffer_info("bf16"),
-        "fp8": device_buffer_info("fp8"),
+        "mxfp8": selector_input("mxfp8"),
+        "mxfp8_page64": selector_input("mxfp8", page_size=64),
+        **{kind: selector_input(kind) for kind in FP4_FORMAT_NAMES},
+        "bf16": selector_input("bf16"),
+        "fp8": selector_input("fp8"),
     }
     chosen = {}
     for name, info in infos.items():

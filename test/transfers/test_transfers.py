@@ -14,7 +14,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import transfer
+from sglang_mxfp8_hicache import releases, transfer
 from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
@@ -127,16 +127,24 @@ def test_round_trip_fp4(
 
 @pytest.mark.parametrize("kv_cache_dtype", FP4_FORMATS)
 def test_plain_host_pool_refuses_fp4(make_pools, kv_cache_dtype):
-    """The control: SGLang 0.5.23's own host pool cannot take an FP4 pool at all."""
-    with pytest.raises(ValueError, match="scale layout 'token'"):
-        make_pools(
-            heads=8,
-            head_dim=128,
-            layers=2,
-            pages=2,
-            host_cls=MHATokenToKVPoolHost,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+    """The control: SGLang 0.5.23's own host pool cannot take an FP4 pool at
+    all; the releases before it build one sized a byte per element, with no
+    room for the scales (``test/releases`` shows them lost)."""
+    geometry = dict(heads=8, head_dim=128, layers=2, pages=2)
+    if not releases.builds_from_device_pool():
+        with pytest.raises(ValueError, match="scale layout 'token'"):
+            make_pools(
+                **geometry, host_cls=MHATokenToKVPoolHost, kv_cache_dtype=kv_cache_dtype
+            )
+        return
+    device_pool, host = make_pools(
+        **geometry, host_cls=MHATokenToKVPoolHost, kv_cache_dtype=kv_cache_dtype
+    )
+    payload_per_token = (
+        device_pool.k_buffer[0][0].nbytes + device_pool.v_buffer[0][0].nbytes
+    )
+    # A byte per element: twice the packed e2m1 payload, and nothing for scales.
+    assert host.get_size_per_token() == 2 * geometry["layers"] * payload_per_token
 
 
 @pytest.mark.parametrize(
@@ -666,7 +674,8 @@ def test_other_io_backend_moves_nothing(make_pools, device):
 
 def test_class_is_ours(make_pools):
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
-    assert type(host) is MHATokenToKVPoolMXFP8Host
+    # A release that builds host pools from the device pool has our class wrapped.
+    assert isinstance(host, MHATokenToKVPoolMXFP8Host)
     assert isinstance(host._mover, transfer.PageChunkKernel)
 
 

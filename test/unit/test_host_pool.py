@@ -14,13 +14,14 @@ from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import host_pool as host_pool_module
-from sglang_mxfp8_hicache import storage
+from sglang_mxfp8_hicache import releases, storage
 from sglang_mxfp8_hicache.geometry import FORMATS
 from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
 )
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
+from sglang_mxfp8_hicache.releases import device_buffer_info, host_pool_selector_input
 from sglang_mxfp8_hicache.sizing import dense_model, host_plan
 from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
 from testkit.pools import fp4_quant_method
@@ -67,7 +68,7 @@ def test_host_tokens_match_sizing(
         pages=2,
         device="cpu",
     )
-    info = device_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(device_pool)
     host = MHATokenToKVPoolMXFP8Host(
         info,
         ratio,
@@ -134,10 +135,14 @@ def _kwargs(device_pool):
 def no_allocation(monkeypatch):
     """Fails the test if a refusal lets the constructor reach the allocating base."""
 
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
     def allocate(*args, **kwargs):
         raise AssertionError("the host pool allocated before refusing")
 
+    # The MHA base (0.5.23), or the host base that releases before it reach.
     monkeypatch.setattr(MHATokenToKVPoolHost, "__init__", allocate)
+    monkeypatch.setattr(HostKVCache, "__init__", allocate)
 
 
 @pytest.fixture
@@ -152,7 +157,7 @@ def test_refuses_token_scale_layout(cpu_kernels, no_allocation):
     pool = build_device_pool(
         head_num=2, head_dim=128, layer_num=2, pages=4, page_size=64, device="cpu"
     )
-    info = pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(pool)
     with pytest.raises(BlockScaledHiCacheConfigError, match="set --page-size 128"):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 64, "page_first", **_kwargs(pool))
 
@@ -162,7 +167,7 @@ def test_refuses_layout_no_mha_pool_offers(
     cpu_kernels, no_allocation, mxfp8_pool, layout
 ):
     """SGLang's internal page_unified and its MLA/NPU-only kv_split layout."""
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match=f"--hicache-mem-layout {layout} is not served: SGLang offers it for "
@@ -199,7 +204,7 @@ def test_refuses_decode_host_receive(
     cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
 ):
     monkeypatch.setattr(host_pool_module, "decode_host_receive", lambda: True)
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match="--disaggregation-decode-host-receive-threshold < 1 .*BLOCK_SCALE",
@@ -213,7 +218,7 @@ def test_refuses_other_io_backend(cpu_kernels, no_allocation, mxfp8_pool, monkey
     monkeypatch.setattr(
         host_pool_module, "configured_io_backend", lambda: "kernel_ascend"
     )
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match="--hicache-io-backend kernel_ascend is not served .*"
@@ -225,7 +230,7 @@ def test_refuses_other_io_backend(cpu_kernels, no_allocation, mxfp8_pool, monkey
 
 
 def test_refuses_host_page_size_mismatch(cpu_kernels, no_allocation, mxfp8_pool):
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError, match="host page_size 64 != device page_size 128"
     ):
@@ -235,7 +240,7 @@ def test_refuses_host_page_size_mismatch(cpu_kernels, no_allocation, mxfp8_pool)
 def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
     """An fp8 draft with no scales passes SGLang's own draft checks; its layers
     would come back with whatever scales the device holds."""
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     draft = build_device_pool(
         head_num=2,
         head_dim=128,
@@ -244,7 +249,7 @@ def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
         device="cpu",
         payload_dtype=torch.float8_e4m3fn,
     )
-    draft_info = draft.get_device_pool_infos()[0].buffer_info
+    draft_info = device_buffer_info(draft)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match="packed draft layer 0 is not a layer of the target's format "
@@ -263,7 +268,7 @@ def test_refuses_draft_without_scales(cpu_kernels, no_allocation, mxfp8_pool):
 
 @pytest.mark.parametrize("backend", sorted(storage.REFUSED_STORAGE_BACKENDS))
 def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool, backend):
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match=f"--hicache-storage-backend {backend} cannot store mxfp8 pages",
@@ -282,7 +287,7 @@ def test_refuses_storage_backend(cpu_kernels, no_allocation, mxfp8_pool, backend
 def test_refuses_dynamic_storage_with_page_head(cpu_kernels, no_allocation, mxfp8_pool):
     """A heads-major page has no seal to check a dynamic class's reads by:
     refused before the pool allocates."""
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError, match="a heads-major page has none"
     ):
@@ -299,7 +304,7 @@ def test_refuses_dynamic_storage_with_page_head(cpu_kernels, no_allocation, mxfp
 
 def test_refuses_platform_without_kernels(no_allocation, mxfp8_pool):
     # No cpu_kernels: the real platform gate of a CPU-only machine.
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(BlockScaledHiCacheConfigError, match="need a CUDA or ROCm GPU"):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -319,7 +324,7 @@ def test_refuses_when_no_kernel_builds(
 
     monkeypatch.setattr(transfer, "page_chunks_module", no_compiler)
     monkeypatch.setattr(hicache, "can_use_hicache_jit_kernel", lambda **kw: False)
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match=r"no kernel moves these page chunks \(ours: nvcc not found; "
@@ -340,7 +345,7 @@ def test_refuses_pool_without_scales(cpu_kernels, no_allocation):
         device="cpu",
         payload_dtype=torch.float8_e4m3fn,
     )
-    info = pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
         match="no scale buffers of a format this host pool serves",
@@ -366,7 +371,7 @@ def test_destroy_after_half_built(cpu_kernels, mxfp8_pool, monkeypatch):
         MHATokenToKVPoolMXFP8Host, "_initialize_transfer_views", fail_transfer_setup
     )
     monkeypatch.setattr(MHATokenToKVPoolMXFP8Host, "destroy", record_destroy)
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
     with pytest.raises(MemoryError):
         MHATokenToKVPoolMXFP8Host(
             info, 2.0, 0, 128, "page_first", **_kwargs(mxfp8_pool)
@@ -393,8 +398,8 @@ def test_dispatch_on_cuda_pool():
     device_pool = build_device_pool(
         head_num=8, head_dim=128, layer_num=2, pages=4, device="cuda"
     )
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    assert mha.get_mha_host_pool_cls(info) is MHATokenToKVPoolMXFP8Host
+    chosen = mha.get_mha_host_pool_cls(host_pool_selector_input(device_pool))
+    assert issubclass(chosen, MHATokenToKVPoolMXFP8Host)
 
 
 @pytest.mark.gpu
@@ -465,7 +470,7 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
     nvfp4 FlashInfer scratch, excluded), not SGLang's host formula, which
     counts the uint8 payload at the logical head_dim (twice its rows)."""
     device_pool = _fp4_pool(name, layers=32, page_size=page_size)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(device_pool)
     host = MHATokenToKVPoolMXFP8Host(
         info, 2.0, 0, page_size, "page_first", **_kwargs(device_pool)
     )
@@ -523,7 +528,7 @@ def test_refuses_fp4_without_token_scales(
     cpu_kernels, no_allocation, name, backends, kw, match
 ):
     pool = _fp4_pool(name, backends=backends, **kw)
-    info = pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(pool)
     assert info.scales is None
     with pytest.raises(BlockScaledHiCacheConfigError, match=match):
         MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
@@ -535,7 +540,7 @@ def test_serves_fp4_payload_rows_of_any_width(cpu_kernels, name, heads):
     """One or three KV heads of 128 are 64 B and 192 B payload rows, which no
     JIT kernel of SGLang moves as rows; a page chunk is whole pages of rows."""
     pool = _fp4_pool(name, heads=heads)
-    info = pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(pool)
     host = MHATokenToKVPoolMXFP8Host(info, 2.0, 0, 128, "page_first", **_kwargs(pool))
     try:
         assert host.host_page.k_part.payload_bytes == 128 * heads * 64
@@ -558,14 +563,21 @@ def test_refuses_native_nvfp4_scales_wherever_a_stack_is_built(cpu_kernels):
         native_scale_layout=True,
     )
     assert pool.native_k_scale_buffer is not None
-    assert pool.get_device_pool_infos()[0].buffer_info.scales is not None
+    assert device_buffer_info(pool).scales is not None
+
+    def host_class(pool):
+        """The assembler's choice: from ``_mha_host_inputs`` where the release
+        has it (0.5.23), else from the device pool it hands the selector."""
+        if releases.builds_from_device_pool():
+            return assembler.get_mha_host_pool_cls(pool)
+        return assembler._mha_host_inputs(pool)[0]
+
     with pytest.raises(BlockScaledHiCacheConfigError, match="native trtllm_mha scales"):
-        assembler._mha_host_inputs(pool)
+        host_class(pool)
     # Without native scales the inputs are SGLang's, with our class.
     plain = _fp4_pool("nvfp4")
-    host_cls, info, _ = assembler._mha_host_inputs(plain)
-    assert host_cls is MHATokenToKVPoolMXFP8Host
-    assert info.scales is not None
+    assert issubclass(host_class(plain), MHATokenToKVPoolMXFP8Host)
+    assert device_buffer_info(plain).scales is not None
 
 
 @pytest.mark.parametrize(
@@ -592,7 +604,7 @@ def test_refuses_nixl_direct_io(
         hicache_storage_backend_extra_config=extra_config, hicache_io_backend=None
     )
     monkeypatch.setattr(runtime_context, "get_memory", lambda: memory)
-    info = mxfp8_pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(mxfp8_pool)
 
     def build():
         return MHATokenToKVPoolMXFP8Host(
@@ -656,7 +668,7 @@ def test_every_path_gives_the_plans_first_refusal(cpu_kernels, monkeypatch, case
         kv_cache_dtype=fp4,
         device="cpu",
     )
-    info = pool.get_device_pool_infos()[0].buffer_info
+    info = device_buffer_info(pool)
     args = (info, 2.0, 0, page_size, layout)
     with pytest.raises(BlockScaledHiCacheConfigError) as refused:
         MHATokenToKVPoolMXFP8Host(*args, allocator_type=backend, **_kwargs(pool))

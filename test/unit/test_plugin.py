@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from sglang_mxfp8_hicache import plugin
+from sglang_mxfp8_hicache import plugin, releases
 from testkit import script
 
 OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
@@ -91,7 +91,12 @@ def test_register_is_idempotent(recorded_hooks):
     plugin.register()
     assert [call[0] for call in recorded_hooks] == [
         plugin.HOOK_TARGET,
-        plugin.HOST_INPUTS_HOOK_TARGET,
+        # Where the release has _mha_host_inputs (0.5.23); else the first hook refuses.
+        *(
+            []
+            if releases.builds_from_device_pool()
+            else [plugin.HOST_INPUTS_HOOK_TARGET]
+        ),
         storage.FACTORY_HOOK_TARGET,
         plugin.STAGING_HOOK_TARGET,
         plugin.PRE_SIZING_HOOK_TARGET,
@@ -164,33 +169,36 @@ def test_unserved_release_refuses_block_scaled_hicache_only(
     assert "sglang 0.5.20 has an MXFP8 KV pool" in str(error.value)
 
 
-def _buffer_info(**pool):
-    """The buffer info of a small CPU device pool (``tools.pools.build_device_pool``)."""
+def _selector_input(**pool):
+    """What the release's assembler hands the host pool hooks for a small CPU
+    device pool (``tools.pools.build_device_pool``)."""
     from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
     device_pool = build_device_pool(
         head_num=2, head_dim=128, layer_num=1, pages=1, device="cpu", **pool
     )
-    return device_pool.get_device_pool_infos()[0].buffer_info
+    return releases.host_pool_selector_input(device_pool)
 
 
 def test_hook_passes_other_pools_to_original():
     sentinel = type("Sentinel", (), {})
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
-        info = _buffer_info(payload_dtype=dtype)
+        given = _selector_input(payload_dtype=dtype)
+        info = releases.buffer_info(given)
         assert info.scales is None
         assert plugin.claims(info) is None
-        assert plugin.select_host_pool_cls(lambda info: sentinel, info) is sentinel
+        assert plugin.select_host_pool_cls(lambda given: sentinel, given) is sentinel
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "fp4_mx_block16", "nvfp4"])
 def test_hook_claims_block_scaled_pools(kv_cache_dtype):
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
-    info = _buffer_info(kv_cache_dtype=kv_cache_dtype)
-    assert plugin.claims(info).startswith(f"{kv_cache_dtype} device pool")
-    chosen = plugin.select_host_pool_cls(lambda info: None, info)
-    assert chosen is MHATokenToKVPoolMXFP8Host
+    given = _selector_input(kv_cache_dtype=kv_cache_dtype)
+    reason = plugin.claims(releases.buffer_info(given))
+    assert reason.startswith(f"{kv_cache_dtype} device pool")
+    chosen = plugin.select_host_pool_cls(lambda given: None, given)
+    assert issubclass(chosen, MHATokenToKVPoolMXFP8Host)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "fp4_mx_block16", "nvfp4"])
@@ -204,8 +212,8 @@ def test_no_payload_staging_for_block_scaled_pools(kv_cache_dtype):
         calls.append(kwargs)
         return "staging"
 
-    ours = _buffer_info(kv_cache_dtype=kv_cache_dtype)
-    other = _buffer_info(payload_dtype=torch.bfloat16)
+    ours = _selector_input(kv_cache_dtype=kv_cache_dtype)
+    other = _selector_input(payload_dtype=torch.bfloat16)
     kwargs = dict(layer_num=1, page_size=128)
 
     def prepare():

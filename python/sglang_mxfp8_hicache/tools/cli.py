@@ -120,13 +120,8 @@ def print_dispatch() -> None:
     pools["bf16"] = build_device_pool(**shape, payload_dtype=torch.bfloat16)
     chosen = {}
     for kind, pool in pools.items():
-        # What the release's assembler hands it: the device pool before 0.5.23.
-        info = (
-            pool
-            if releases.builds_from_device_pool()
-            else pool.get_device_pool_infos()[0].buffer_info
-        )
-        cls = hybrid_pool_assembler.get_mha_host_pool_cls(info)
+        selector_input = releases.host_pool_selector_input(pool)
+        cls = hybrid_pool_assembler.get_mha_host_pool_cls(selector_input)
         chosen[kind] = f"{cls.__module__}.{cls.__qualname__}"
     print(json.dumps(chosen))
 

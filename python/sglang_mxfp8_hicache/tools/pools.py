@@ -100,6 +100,12 @@ class PayloadOnlyHost(MHATokenToKVPoolHost):
     pool that reports none). Any other pool goes to it unchanged."""
 
     def __init__(self, buffer_info, *args, draft_buffer_infos=(), **kwargs):
+        from sglang_mxfp8_hicache import releases
+
+        if releases.builds_from_device_pool():
+            # Handed the device pool, whose scales SGLang's class never reads.
+            super().__init__(buffer_info, *args, **kwargs)
+            return
         super().__init__(
             _payload_only(buffer_info),
             *args,
