@@ -97,6 +97,18 @@ def storage_config_with_tag(storage_config: Any, tag: str) -> Any:
     return dataclasses.replace(storage_config, model_name=f"{name}-{tag}")
 
 
+def storage_model_name(model_name: str, host_pool: Any) -> str:
+    """The model name the release's controller gives L3 backends for
+    ``host_pool`` (its ``storage_model_name``, which adds the pool's format);
+    0.5.21's gives the name as it is, and the storage guard adds the pool's
+    tag (``storage_config_with_tag``)."""
+    if device_pool_base():
+        return model_name
+    from sglang.srt.managers.cache_controller import storage_model_name as named
+
+    return named(model_name, host_pool)
+
+
 class PoolBuffers(msgspec.Struct, frozen=True, kw_only=True):
     """A device pool's per-layer K and V buffers (0.5.23's ``KVBuffers``)."""
 

@@ -1,10 +1,13 @@
-"""The host pools SGLang's assembler builds for a setup, beside what ``size``
-plans for the same model: one process, since the plugin hook is process-wide.
+"""The host pools SGLang's assembler builds for setups, beside what ``size``
+plans for the same models: in a process of their own, since the plugin hook
+is process-wide; one process for many cases, each stack destroyed before the
+next is built.
 
-    python test/sizing_vs_sglang.py SETUP HICACHE_RATIO HICACHE_SIZE_GB
+    python test/sizing_vs_sglang.py SETUP:HICACHE_RATIO:HICACHE_SIZE_GB [...]
 
-Prints one JSON object: for each host pool SGLang built (by its name), its
-bytes per token and tokens, and the same from ``sizing.host_plan``.
+Prints one JSON object per case: its ``case`` as given, and for each host pool
+SGLang built (by its name), its bytes per token and tokens, and the same from
+``sizing.host_plan``.
 """
 
 from __future__ import annotations
@@ -69,36 +72,46 @@ def planned(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
 
 
 def built(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
-    """The MHA host pools SGLang's assembler builds for ``setup``."""
+    """The MHA host pools SGLang's assembler builds for ``setup`` (in the
+    process group ``main`` made), destroyed once read."""
     import torch.distributed as dist
-    from sglang.srt.plugins import load_plugins
 
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
     from testkit import e2e
-    from testkit.mooncake_loopback import free_ports
 
-    load_plugins()
     e2e._publish(setup, hicache_ratio=ratio, hicache_size=size_gb)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", world_size=1, rank=0
-    )
     stack = e2e._build_stack(setup, dist.group.WORLD, "cpu")
-    return {
-        entry.host_pool.pool_label: {
-            "bytes_per_token": entry.host_pool.size_per_token,
-            "tokens": entry.host_pool.size,
+    try:
+        return {
+            entry.host_pool.pool_label: {
+                "bytes_per_token": entry.host_pool.size_per_token,
+                "tokens": entry.host_pool.size,
+            }
+            for entry in stack.host_group.entries
+            if isinstance(entry.host_pool, MHATokenToKVPoolMXFP8Host)
         }
-        for entry in stack.host_group.entries
-        if isinstance(entry.host_pool, MHATokenToKVPoolMXFP8Host)
-    }
+    finally:
+        stack.host_group.destroy()
 
 
 def main() -> None:
-    setup, ratio, size_gb = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+    import torch.distributed as dist
+    from sglang.srt.plugins import load_plugins
+
+    from testkit.mooncake_loopback import free_ports
+
+    load_plugins()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", world_size=1, rank=0
+    )
     with pytest.MonkeyPatch.context() as monkeypatch:
         install_stack_emulation(monkeypatch)
-        result = {
-            "planned": planned(setup, ratio, size_gb),
-            "built": built(setup, ratio, size_gb),
-        }
-    print(json.dumps(result))
+        for case in sys.argv[1:]:
+            setup, ratio, size_gb = case.split(":")
+            result = {
+                "case": case,
+                "planned": planned(setup, float(ratio), int(size_gb)),
+                "built": built(setup, float(ratio), int(size_gb)),
+            }
+            print(json.dumps(result), flush=True)
+    dist.destroy_process_group()

@@ -15,28 +15,51 @@ from sglang_mxfp8_hicache.sizing import SizingError, read_model
 from sglang_mxfp8_hicache.tools.cli import main
 from testkit import script
 
-
-@pytest.mark.parametrize("hicache", ["ratio", "size"])
-@pytest.mark.parametrize(
-    "setup",
-    ["kv", "draft", "layer_first", "hybrid_swa", "mamba", "fp4_mx_block16", "nvfp4"],
+SIZING_SETUPS = (
+    "kv",
+    "draft",
+    "layer_first",
+    "hybrid_swa",
+    "mamba",
+    "fp4_mx_block16",
+    "nvfp4",
 )
-def test_size_matches_the_pools_sglang_builds(setup, hicache):
+HICACHE = {"ratio": ("2.0", "0"), "size": ("0", "1")}
+"""``--hicache-ratio 2`` or ``--hicache-size 1`` (GB), as (ratio, size)."""
+
+
+def _case(setup: str, hicache: str) -> str:
+    return ":".join((setup, *HICACHE[hicache]))
+
+
+@pytest.fixture(scope="module")
+def sglang_built() -> dict[str, dict]:
+    """Every case's pools as SGLang's assembler builds them and as ``size``
+    plans them, by case, from one process (``testkit/sizing_vs_sglang.py``)."""
+    cases = [_case(s, h) for s in SIZING_SETUPS for h in HICACHE]
+    done = subprocess.run(
+        [sys.executable, script("sizing_vs_sglang"), *cases],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [
+        json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")
+    ]
+    return {result["case"]: result for result in results}
+
+
+@pytest.mark.parametrize("hicache", sorted(HICACHE))
+@pytest.mark.parametrize("setup", SIZING_SETUPS)
+def test_size_matches_the_pools_sglang_builds(sglang_built, setup, hicache):
     """Each host pool SGLang's assembler builds for the setup (a dense pool,
     packed drafts, the layer_first layout, full and SWA pools, a full pool
     beside Mamba state, both FP4 recipes),
     sized by ``--hicache-ratio 2`` or ``--hicache-size 1`` (shared over the
     pools by device bytes), has the bytes per token and tokens ``size`` plans."""
-    ratio, size_gb = ("2.0", "0") if hicache == "ratio" else ("0", "1")
-    done = subprocess.run(
-        [sys.executable, script("sizing_vs_sglang"), setup, ratio, size_gb],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.splitlines()[-1])
+    result = sglang_built[_case(setup, hicache)]
     assert result["built"], result
     assert result["planned"] == result["built"]
 

@@ -1,7 +1,7 @@
 """L3 storage driven the way SGLang's cache controller drives it, without its threads.
 
 ``open`` does what ``HiCacheController.attach_storage_backend`` does: the
-storage config keyed by ``storage_model_name`` (so the pool's
+storage config keyed by the release's ``storage_model_name`` (so the pool's
 ``storage_format_tag`` is in every key), ``StorageBackendFactory.create_backend``
 and ``register_mem_pool_host``. The page moves are the controller's own
 functions, called unbound on this object: ``_generic_page_set/_get`` for
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sglang_mxfp8_hicache import releases
 from sglang_mxfp8_hicache.storage import ZERO_COPY_BACKENDS
 
 LOCAL_BACKENDS = ("file", "hf3fs", "nixl")
@@ -130,7 +131,6 @@ class StoragePageIO:
         """A backend for ``host_pool`` configured as the controller configures
         it; ``tp_lcm_size`` above ``tp_size`` with ``page_head`` splits pages by
         heads, as the controller's storage config does."""
-        from sglang.srt.managers.cache_controller import storage_model_name
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage import StorageBackendFactory
 
@@ -144,7 +144,7 @@ class StoragePageIO:
             is_mla_model=False,
             enable_storage_metrics=False,
             is_page_first_layout=host_pool.layout.startswith("page_first"),
-            model_name=storage_model_name(model_name, host_pool),
+            model_name=releases.storage_model_name(model_name, host_pool),
             tp_lcm_size=tp_lcm_size,
             should_split_heads=host_pool.layout == "page_head"
             and (tp_lcm_size or tp_size) > tp_size,
