@@ -290,6 +290,31 @@ def test_ranks_restart(request, tmp_path):
     assert wider[0].pages_loaded_from_l3 == 0
 
 
+def test_ranks_restart_page_head_across_tp_sizes(request, mooncake):
+    """``page_head`` pages that Mooncake splits by ``tp_lcm_size`` 4 are keyed
+    by the model's head groups, not the ranks: two ranks of two heads store
+    them, and four ranks of one head find them and restore each its own head
+    exactly (the one store outlives both runs)."""
+    config = {**mooncake.extra_config(), "tp_lcm_size": 4}
+    store = ("--l3", "mooncake", "--l3-config", json.dumps(config))
+    shared = ("--layout", "page_head", "--flush-every", "30")
+    first = soak(request, "--tp", "2", "--heads", "2", *store, *shared, ranks=2)
+    _assert_ranks_agree(first, 2)
+    wider = soak(
+        request,
+        "--tp",
+        "4",
+        "--heads",
+        "1",
+        *store,
+        *shared,
+        "--no-l3-writes",
+        ranks=4,
+    )
+    _assert_ranks_agree(wider, 4)
+    assert wider[0].pages_loaded_from_l3 > 0
+
+
 def test_sglang_write_back_oom_reproduces():
     """SGLang 0.5.23's write-back eviction under host pressure with L3 counts
     a node it cannot free as evictable, and an admitted prefill fails

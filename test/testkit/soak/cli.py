@@ -60,7 +60,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--init-file", help=argparse.SUPPRESS)
     parser.add_argument("--core", choices=("python", "rust"), default=None)
-    parser.add_argument("--heads", type=int, default=2, help="KV heads (geometry)")
+    parser.add_argument(
+        "--heads", type=int, default=2, help="KV heads per rank (geometry)"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("page_first", "page_head"),
+        default="page_first",
+        help="--hicache-mem-layout (page_head, with --l3 mooncake and "
+        '"tp_lcm_size": N in --l3-config, shares pages across TP sizes)',
+    )
     parser.add_argument(
         "--l3-dir", help="the L3 file store, kept (default: a fresh one, removed)"
     )
@@ -119,11 +128,15 @@ def _refusal(args: argparse.Namespace) -> str | None:
     if args.beside_sglang_control and not args.beside_sglang:
         return "--beside-sglang-control needs --beside-sglang"
     if args.beside_sglang and (
-        args.stack != "kv" or args.kv_cache_dtype != "mxfp8" or args.payload_only
+        args.stack != "kv"
+        or args.kv_cache_dtype != "mxfp8"
+        or args.payload_only
+        or args.layout != "page_first"
     ):
         return (
             "--beside-sglang: SGLang's MXFP8 host class serves page_first MXFP8 "
-            "pools without drafts: --stack kv, --kv-cache-dtype mxfp8"
+            "pools without drafts: --stack kv, --kv-cache-dtype mxfp8, --layout "
+            "page_first"
         )
     if args.tp < 1:
         return f"--tp {args.tp}: one rank or more"

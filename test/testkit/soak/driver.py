@@ -34,9 +34,13 @@ class Soak:
         self.cache, self.allocator, self.requests, layers = build_cache(
             args, device, l3_dir
         )
-        # Each rank's heads hold their own bytes.
+        # Each of the model's heads holds its own bytes, on whichever rank.
         self.shadow = Shadow(
-            args.seed + 1000 * args.rank, layers, self.allocator, device != "cpu"
+            args.seed,
+            layers,
+            self.allocator,
+            device != "cpu",
+            first_head=args.rank * args.heads,
         )
         self.controller = self.cache.cache_controller
         self.figures = start_figures(args, device, self.cache)

@@ -3,8 +3,11 @@ the cache serves against them.
 
 A token's KV bytes (payload and scales, K and V, every layer) are a function
 of its whole prefix, row ``h`` of a table where ``h`` is the prefix's rolling
-hash, as a model's KV is a function of its prefix. A mismatch is counted, not
-raised, so a run reports them all."""
+hash, as a model's KV is a function of its prefix; and of the model's KV
+head: each head's columns come from a seed of its own, so a rank holds the
+bytes of its heads whatever the TP size (``page_head`` pages restored across
+TP sizes must match). A mismatch is counted, not raised, so a run reports
+them all."""
 
 from __future__ import annotations
 
@@ -48,8 +51,14 @@ class Shadow:
     random bf16 K and V rows, and the soak writes its KV through it."""
 
     def __init__(
-        self, seed: int, layers: list[SoakLayer], allocator, quantize: bool
+        self,
+        seed: int,
+        layers: list[SoakLayer],
+        allocator,
+        quantize: bool,
+        first_head: int = 0,
     ) -> None:
+        """``first_head``: the model's KV head this rank's first head is."""
         self.layers, self.allocator = layers, allocator
         self.buffers = [
             [
@@ -63,15 +72,31 @@ class Shadow:
             ]
             for d in layers
         ]
-        gen = torch.Generator().manual_seed(seed)
         device = layers[0].pool.device
+        heads = layers[0].pool.head_num
+        gens = [
+            torch.Generator().manual_seed(seed * 1_000_003 + first_head + h)
+            for h in range(heads)
+        ]
+
+        def by_head(draw) -> torch.Tensor:
+            """Each head's columns drawn from its own generator, side by side
+            (a token's row of every buffer is head-major)."""
+            return torch.cat([draw(gen) for gen in gens], dim=1).to(device)
+
         if not quantize:
             self.bf16 = None
             self.tables = [
                 [
-                    torch.randint(
-                        0, 256, (TABLE_ROWS, b.width), dtype=torch.uint8, generator=gen
-                    ).to(device)
+                    by_head(
+                        lambda gen, width=b.width // heads: torch.randint(
+                            0,
+                            256,
+                            (TABLE_ROWS, width),
+                            dtype=torch.uint8,
+                            generator=gen,
+                        )
+                    )
                     for b in buffers
                 ]
                 for buffers in self.buffers
@@ -79,9 +104,13 @@ class Shadow:
             return
         self.bf16 = [
             tuple(
-                torch.randn(TABLE_ROWS, d.pool.head_num, d.pool.head_dim, generator=gen)
+                by_head(
+                    lambda gen, dim=d.pool.head_dim: torch.randn(
+                        TABLE_ROWS, 1, dim, generator=gen
+                    )
+                )
                 .mul_(3.0)
-                .to(device, torch.bfloat16)
+                .to(torch.bfloat16)
                 for _ in "kv"
             )
             for d in layers

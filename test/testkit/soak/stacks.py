@@ -97,7 +97,7 @@ def _publish_server_args(args: argparse.Namespace):
         enable_hierarchical_cache=True,
         hicache_ratio=HICACHE_RATIO,
         hicache_size=0,
-        hicache_mem_layout="page_first",
+        hicache_mem_layout=args.layout,
         hicache_io_backend="kernel",
         hicache_write_policy=args.write_policy,
         hicache_host_memory_mode="cache",
