@@ -755,11 +755,53 @@ def _plant_mooncake(io: StoragePageIO, key: str, fault: str) -> None:
         assert store.put(object_key, os.urandom(new_size[fault])) == 0
 
 
+def _flipped_offset(io: StoragePageIO, where: str) -> int:
+    """Where in a stored page's K part the ``flipped_*`` faults flip a byte:
+    in the last layer's payload or scales, or in the seal's digest."""
+    part = io.storage_host_pool.host_page.k_part
+    last = part.layer_num - 1
+    return {
+        "payload": part.payload_offset(last) + 5,
+        "scales": part.scale_offset(last) + 1,
+        "seal": part.span_bytes - part.seal_bytes + 16,
+    }[where]
+
+
+def _flip(io: StoragePageIO, key: str, where: str) -> None:
+    """One bit of one byte of the page stored under ``key`` flipped in place,
+    at ``_flipped_offset``, in the store of a sealed backend."""
+    offset = _flipped_offset(io, where)
+    backend = io.storage_backend
+    if io.backend_name == "nixl":
+        path, start = storage.nixl_page_paths(backend, [key])[0], 0
+    elif io.backend_name == "hf3fs":
+        tag = io.storage_host_pool.storage_format_tag
+        [slot] = backend.metadata_client.get_page_indices(
+            backend.rank, [f"{tag}_{key}-k"]
+        )
+        path, start = backend.file_path, slot * backend.bytes_per_page
+    else:  # the in-test dynamic backends: one object, the K part first
+        store_key = _dict_key(io, key)
+        data = bytearray(dict_l3_backend.STORE[store_key])
+        data[offset] ^= 0x01
+        dict_l3_backend.STORE[store_key] = bytes(data)
+        return
+    with open(path, "r+b") as f:
+        f.seek(start + offset)
+        byte = f.read(1)[0]
+        f.seek(start + offset)
+        f.write(bytes([byte ^ 0x01]))
+
+
 def _plant(io: StoragePageIO, key: str, fault: str, other: str = "") -> None:
     """Replace what L3 holds for ``key``: ``truncated`` / ``longer`` by a byte /
     64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
     heads (both objects), ``missing`` the page, ``missing_part`` its V object,
-    ``other_page`` another page's (NIXL: page ``other``'s)."""
+    ``other_page`` another page's (NIXL: page ``other``'s); ``flipped_payload``
+    / ``_scales`` / ``_seal`` one bit of the K part (``_flip``)."""
+    if fault.startswith("flipped_"):
+        _flip(io, key, fault.removeprefix("flipped_"))
+        return
     if io.backend_name == "nixl":
         _plant_nixl(io, key, fault, other)
         return
@@ -798,6 +840,12 @@ FAULTS = [
     ("seaweedfs", "longer"),
     ("seaweedfs", "other_geometry"),
     ("seaweedfs", "missing"),
+    # A single flipped bit, on every sealed backend (storage.SEALED_BACKENDS).
+    *(
+        (backend, f"flipped_{where}")
+        for backend in ("nixl", "hf3fs", "dynamic", "dynamic_v1")
+        for where in ("payload", "scales", "seal")
+    ),
 ]
 
 
