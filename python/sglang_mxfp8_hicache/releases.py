@@ -166,7 +166,9 @@ def buffer_info(pool_or_info: Any) -> Any:
         head_dim=pool.head_dim,
         v_head_dim=pool.v_head_dim,
         dtype=pool.store_dtype,
-        device=torch_device(pool.device),
+        # Where the buffers are, with the device index ("cuda:0") that SGLang's
+        # host pools compare against; the pool's own may be a bare "cuda".
+        device=pool.k_buffer[0].device,
         scales=scales,
     )
 

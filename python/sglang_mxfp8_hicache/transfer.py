@@ -556,7 +556,7 @@ class SGLangChunkKernels:
         pages = []
         for indices in (host_indices, device_indices):
             numbers = indices[::page_size] // page_size
-            if numbers.device != device:
+            if numbers.device.type != device.type:  # "cuda" is "cuda:0" here
                 if device.type == "cuda":
                     numbers = numbers.pin_memory()
                 numbers = numbers.to(device, non_blocking=True)
