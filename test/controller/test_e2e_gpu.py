@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mxfp8_hicache import releases
 from testkit.e2e import SETUPS, run_modes
-from testkit.e2e_cpu import assert_control_loses_scales, assert_exact
+from testkit.e2e_cpu import (
+    assert_control_loses_scales,
+    assert_exact,
+    plain_class_takes_fp4,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -99,8 +102,8 @@ def test_setup_restores_exactly(verdicts, setup):
         k: OURS for k in v.host_classes if k != "mamba"
     }
     assert v.state_restored is not False, v
-    if "fp4" in setup and releases.builds_from_device_pool():
-        return  # no payload-only control for FP4 before 0.5.23 (test_setups)
+    if plain_class_takes_fp4(setup):
+        return  # no payload-only control to run
     assert_control_loses_scales(verdicts[f"{setup}:plain"])
 
 
@@ -124,6 +127,6 @@ def test_setup_cross_check_with_sglang_class(verdicts, setup):
     ],
 )
 def test_sglang_class_refuses(verdicts, setup, error):
-    if "fp4" in setup and releases.builds_from_device_pool():
+    if plain_class_takes_fp4(setup):
         pytest.skip("before 0.5.23 SGLang's plain host class takes FP4 pools")
     assert error in verdicts[f"{setup}:sglang"].error

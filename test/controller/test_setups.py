@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mxfp8_hicache import releases
 from testkit.e2e import SETUPS
-from testkit.e2e_cpu import assert_control_loses_scales, assert_exact, run_cpu
+from testkit.e2e_cpu import (
+    assert_control_loses_scales,
+    assert_exact,
+    plain_class_takes_fp4,
+    run_cpu,
+)
 
 OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 
@@ -49,7 +53,7 @@ def test_controller_restores_exactly(verdicts, setup):
 
 @pytest.mark.parametrize("setup", SETUPS)
 def test_payload_only_control_loses_scales(verdicts, setup):
-    if "fp4" in setup and releases.builds_from_device_pool():
+    if plain_class_takes_fp4(setup):
         pytest.skip(
             "before 0.5.23 SGLang's plain host class sizes an FP4 pool a byte per "
             "element and takes no payload-only view of it: no control to run"

@@ -79,6 +79,15 @@ def assert_control_loses_scales(verdict: Verdict) -> None:
     assert verdict.dequantized_max_diff > 0, verdict
 
 
+def plain_class_takes_fp4(setup: str) -> bool:
+    """Whether ``setup`` is an FP4 stack on a release before 0.5.23, whose plain
+    host class takes an FP4 pool without refusing it, sized a byte per element,
+    with no payload-only view: there is no payload-only control to run."""
+    from sglang_mxfp8_hicache import releases
+
+    return "fp4" in setup and releases.builds_from_device_pool()
+
+
 def main() -> None:
     from testkit.e2e import run_setups
 
