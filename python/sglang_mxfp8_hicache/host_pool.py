@@ -679,16 +679,20 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         span.view(torch.uint8).copy_(data)
 
-    def _page_addresses(self, indices) -> torch.Tensor:
-        """The host address of each page of ``indices`` (token indices of whole
-        pages, on any device); raises, naming the index, on a page that does
-        not start at a page boundary."""
+    def page_numbers(self, indices) -> torch.Tensor:
+        """The host page of each page of ``indices`` (token indices of whole
+        pages, on any device), on the CPU; raises, naming the index, on a page
+        that does not start at a page boundary."""
         starts = indices[:: self.page_size].to(device="cpu", dtype=torch.int64)
         misaligned = starts[starts % self.page_size != 0]
         if len(misaligned):
             self._page_of(int(misaligned[0]))
+        return starts // self.page_size
+
+    def _page_addresses(self, indices) -> torch.Tensor:
+        """The host address of each page of ``indices`` (``page_numbers``)."""
         span = self.host_page.span_bytes
-        return self.kv_buffer.data_ptr() + starts // self.page_size * span
+        return self.kv_buffer.data_ptr() + self.page_numbers(indices) * span
 
     def get_page_buffer_meta(self, indices):
         """Per page, the K part's then the V part's host pointer and size."""

@@ -43,6 +43,8 @@ import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from sglang_mxfp8_hicache import releases, seal
 from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.page import HostPage
@@ -278,6 +280,7 @@ class GuardedStorage:
 
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_guards", guards)
+        object.__setattr__(self, "_methods", {})
         if backend_name in SIZE_CHECKS:
             method, check = SIZE_CHECKS[backend_name]
             guard(method, check, backend)
@@ -298,12 +301,25 @@ class GuardedStorage:
                 guard("batch_get", _checked_get, pool)
 
     def _own(self, name: str) -> Any:
-        """The backend's ``name``; a method of its class bound to the guard."""
+        """The backend's ``name``; a method of its class bound to the guard.
+
+        A backend reads its own attributes in its page loops (``HiCacheNixl``
+        about ten per page), so this is a hot path: the backend's instance
+        attributes are read from its ``__dict__``, and a class method is
+        looked up once and kept, bound to the guard (a class's functions do
+        not change; an instance attribute of that name still wins).
+        """
         backend = object.__getattribute__(self, "_backend")
-        attr = inspect.getattr_static(backend, name, None)
-        own_attrs = getattr(backend, "__dict__", {})
-        if isinstance(attr, types.FunctionType) and name not in own_attrs:
-            return types.MethodType(attr, self)
+        own_attrs = getattr(backend, "__dict__", None) or {}
+        if name in own_attrs:
+            return own_attrs[name]
+        methods = object.__getattribute__(self, "_methods")
+        if name in methods:
+            return methods[name]
+        attr = inspect.getattr_static(type(backend), name, None)
+        if isinstance(attr, types.FunctionType):
+            methods[name] = types.MethodType(attr, self)
+            return methods[name]
         return getattr(backend, name)
 
     def __getattr__(self, name: str) -> Any:
@@ -349,55 +365,53 @@ def _with_key_prefix(method: Callable[..., Any], prefix: str) -> Callable[..., A
     return prefixed
 
 
-def _page_parts(pool: Any, flat: torch.Tensor) -> list[Any]:
-    """The K and V parts of one flat page (CPU), as uint8 arrays."""
+PageParts = tuple[np.ndarray, np.ndarray]
+"""The K and V parts of one stored page, as uint8 arrays."""
+
+
+def _flat_page_parts(pool: Any, flat: torch.Tensor) -> PageParts:
+    """The K and V parts of one flat page (CPU): a view of a contiguous page
+    (seals are written into host pages in place), a copy of any other reply,
+    which is only read."""
     import torch
 
-    # A view of a contiguous page (seals are written into host pages in place);
-    # a copy of any other reply, which is only read.
     data = flat.reshape(-1).view(torch.uint8).numpy()
     k_span = pool.host_page.k_part.span_bytes
-    return [data[:k_span], data[k_span:]]
+    return data[:k_span], data[k_span:]
 
 
-def _seal_pages(pool: Any, flats: Sequence[torch.Tensor], keys: Sequence[str]):
+def _host_page_parts(pool: Any, host_indices: torch.Tensor) -> list[PageParts]:
+    """The K and V parts of each host page of ``host_indices``: slices of one
+    uint8 view of the pool's buffer, no tensor made per page."""
+    import torch
+
+    rows = pool.kv_buffer.view(torch.uint8).numpy()
+    k_span = pool.host_page.k_part.span_bytes
+    pages = pool.page_numbers(host_indices).tolist()
+    return [(rows[page, :k_span], rows[page, k_span:]) for page in pages]
+
+
+def _part_seeds(pool: Any, keys: Sequence[str]) -> list[int]:
+    """The seed of each part of the pages of ``keys``: both parts of a page
+    are sealed under its key."""
+    tag = pool.storage_format_tag
+    return [seed for key in keys for seed in [seal.key_seed(tag, key)] * 2]
+
+
+def _seal_pages(pool: Any, pages: Sequence[PageParts], keys: Sequence[str]) -> None:
     """Seals both parts of every page of a batch (``seal.write_all``)."""
-    parts, seeds = [], []
-    for flat, key in zip(flats, keys, strict=True):
-        seed = seal.key_seed(pool.storage_format_tag, key)
-        parts += _page_parts(pool, flat)
-        seeds += [seed, seed]
-    seal.write_all(parts, seeds, pool.host_page.seal_bytes)
+    parts = [part for page in pages for part in page]
+    seal.write_all(parts, _part_seeds(pool, keys), pool.host_page.seal_bytes)
 
 
 def _pages_sealed(
-    pool: Any, flats: Sequence[torch.Tensor], keys: Sequence[str]
+    pool: Any, pages: Sequence[PageParts], keys: Sequence[str]
 ) -> list[bool]:
     """Whether both parts of each page carry the seal of their bytes under
-    its key; a reply that cannot be read as one page's bytes does not."""
-    parts, seeds, readable = [], [], []
-    for flat, key in zip(flats, keys, strict=True):
-        try:
-            page_parts = _page_parts(pool, flat)
-        except (RuntimeError, TypeError):  # not a contiguous CPU tensor
-            readable.append(False)
-            continue
-        readable.append(True)
-        seed = seal.key_seed(pool.storage_format_tag, key)
-        parts += page_parts
-        seeds += [seed, seed]
-    held = seal.hold_all(parts, seeds, pool.host_page.seal_bytes)
-    verdicts, part = [], 0
-    for ok in readable:
-        verdicts.append(ok and held[part] and held[part + 1])
-        part += 2 if ok else 0
-    return verdicts
-
-
-def _host_pages(pool: Any, host_indices: torch.Tensor) -> list[torch.Tensor]:
-    return [
-        pool.get_data_page(index) for index in host_indices[:: pool.page_size].tolist()
-    ]
+    its key."""
+    parts = [part for page in pages for part in page]
+    held = seal.hold_all(parts, _part_seeds(pool, keys), pool.host_page.seal_bytes)
+    return [k and v for k, v in zip(held[::2], held[1::2], strict=True)]
 
 
 def _read_or_log(read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -421,7 +435,7 @@ def _sealed_set(
     **kwargs: Any,
 ) -> Any:
     """A generic ``batch_set`` of flat pages (views of host pages), sealed first."""
-    _seal_pages(pool, values, keys)
+    _seal_pages(pool, [_flat_page_parts(pool, value) for value in values], keys)
     return write(keys, values, *args, **kwargs)
 
 
@@ -434,7 +448,7 @@ def _sealed_set_v1(
     **kwargs: Any,
 ) -> Any:
     """A zero-copy ``batch_set_v1``, each host page sealed first."""
-    _seal_pages(pool, _host_pages(pool, host_indices), keys)
+    _seal_pages(pool, _host_page_parts(pool, host_indices), keys)
     return write(keys, host_indices, *args, **kwargs)
 
 
@@ -457,8 +471,15 @@ def _checked_get(
     returned = next((n for n, r in enumerate(results[:replied]) if r is None), replied)
     found = [r.numel() * r.element_size() for r in results[:returned]]
     whole = [n for n, size in enumerate(found) if size == expected]
-    sealed = _pages_sealed(pool, [results[n] for n in whole], [keys[n] for n in whole])
-    unsealed = {n for n, ok in zip(whole, sealed, strict=True) if not ok}
+    readable, parts = [], []
+    for n in whole:
+        try:
+            parts.append(_flat_page_parts(pool, results[n]))
+            readable.append(n)
+        except (RuntimeError, TypeError):  # not a contiguous CPU tensor
+            pass
+    sealed = _pages_sealed(pool, parts, [keys[n] for n in readable])
+    unsealed = set(whole) - {n for n, ok in zip(readable, sealed, strict=True) if ok}
     wrong: list[WrongPage] = [
         (n, keys[n], UNSEALED if n in unsealed else size, expected)
         for n, size in enumerate(found)
@@ -486,7 +507,7 @@ def _checked_get_v1(
     expected = pool.host_page.span_bytes
     replied = min(len(keys), len(results))
     returned = next((n for n, hit in enumerate(results[:replied]) if not hit), replied)
-    pages = _host_pages(pool, host_indices)[:returned]
+    pages = _host_page_parts(pool, host_indices[: returned * pool.page_size])
     sealed = _pages_sealed(pool, pages, keys[:returned])
     wrong: list[WrongPage] = [
         (n, keys[n], UNSEALED, expected) for n, ok in enumerate(sealed) if not ok
@@ -610,12 +631,19 @@ def _nixl_batch_get_checked(
     host_indices: torch.Tensor,
     extra_info: Any = None,
 ) -> list[bool]:
-    """``HiCacheNixl.batch_get_v1`` on files, reading only the leading pages
-    whose files all exist with exactly the sizes the pool asks for: NIXL fails
-    the whole batch on one missing or short file, and reads a longer one's
-    first bytes. Object plugins (no files) are left to the seals."""
+    """``HiCacheNixl.batch_get_v1`` on files, reading the leading pages whose
+    files all exist with exactly the sizes the pool asks for: NIXL fails the
+    whole batch on one missing or short file, and reads a longer one's first
+    bytes. The batch is read first as it is, and the files' sizes are asked
+    only if that read fails: NIXL is sealed, so a longer file's first bytes
+    are checked by the seal anyway, and what a failed read wrote lies in the
+    prefetch's own host pages, read again or freed. Object plugins (no
+    files) are left to the seals."""
     if not keys or backend.file_manager is None:
         return read(keys, host_indices, extra_info)
+    results = read(keys, host_indices, extra_info)
+    if all(results[: len(keys)]) and len(results) >= len(keys):
+        return results
     page = backend.mem_pool_host.host_page
     paths = nixl_page_paths(backend, keys)
     if backend.is_zero_copy:

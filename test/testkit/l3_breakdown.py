@@ -1,0 +1,99 @@
+"""Where an L3 put and get of MXFP8 pages spend their time, per backend.
+
+    python test/l3_breakdown.py [--backends file,nixl,hf3fs] [--threads 1,4]
+        [--pages 1,4,16,64,256] [--out DIR]
+
+Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
+side, median of 5 reps) once per local backend and seal thread count
+(``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) in one process, and times, inside the
+same runs, what ours does that payload-only does not: ``seal.write_all`` on
+puts, ``seal.hold_all`` on gets (the xxh3 passes), and the rest of the
+guard's own work (the whole guarded call less the backend's call and the
+seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS.json`` under
+``--out`` and prints one JSON object of the split, per backend, thread count
+and batch size, in ms per batch (mean over every rep of that batch size,
+warm-up included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sglang_mxfp8_hicache import seal, storage
+from sglang_mxfp8_hicache.tools import bench_l3
+
+_spent: collections.Counter[tuple[str, int]] = collections.Counter()
+_calls: collections.Counter[tuple[str, int]] = collections.Counter()
+
+
+def _timed(name: str, fn: Callable[..., Any], pages_of: Callable[..., int]):
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            key = (name, pages_of(*args, **kwargs))
+            _spent[key] += time.perf_counter() - start
+            _calls[key] += 1
+
+    return timed
+
+
+def _install() -> None:
+    """Timers around the seal passes, the guarded calls of ours, and the
+    backend's own call inside each (the size checks' reads included)."""
+    seal.write_all = _timed("seal", seal.write_all, lambda parts, *a: len(parts) // 2)
+    seal.hold_all = _timed("check", seal.hold_all, lambda parts, *a: len(parts) // 2)
+    for name in ("_sealed_set_v1", "_sealed_set", "_checked_get_v1", "_checked_get"):
+        kind = "put" if "set" in name else "get"
+        guarded = getattr(storage, name)
+
+        def with_backend_timed(call, pool, keys, *a, _g=guarded, _k=kind, **kw):
+            inner = _timed(f"backend {_k}", call, lambda k, *a, **kw: len(k))
+            return _g(inner, pool, keys, *a, **kw)
+
+        timed = _timed(
+            f"guarded {kind}", with_backend_timed, lambda c, p, k, *a, **kw: len(k)
+        )
+        setattr(storage, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="file,nixl,hf3fs")
+    parser.add_argument("--threads", default="1,4")
+    parser.add_argument("--pages", default="1,4,16,64,256")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    pages = [int(p) for p in args.pages.split(",")]
+    _install()
+    bench_l3.apply_plugin_hooks()
+    split: dict[str, Any] = {}
+    for backend in args.backends.split(","):
+        for threads in [int(t) for t in args.threads.split(",")]:
+            if backend == "file" and threads > 1:
+                continue  # file is not sealed
+            os.environ[seal.THREADS_ENV] = str(threads)
+            _spent.clear()
+            _calls.clear()
+            report = bench_l3.run(backend, pages_list=pages)
+            name = f"bench-l3-{backend}-t{threads}"
+            with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
+                f.write(report.to_json())
+            print(bench_l3.describe(report))
+            for cell in report.cells:
+                print(
+                    f"  {name} {cell.pages:4d} pages: put {cell.ratio('put'):.3f}x "
+                    f"get {cell.ratio('get'):.3f}x"
+                )
+            split[name] = {
+                f"{stage} {n}": round(1e3 * spent / _calls[(stage, n)], 4)
+                for (stage, n), spent in sorted(_spent.items())
+            }
+    print(json.dumps(split, indent=1))
