@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -430,6 +431,48 @@ def test_guard_sets_no_attribute_of_the_backend(device, make_pools, open_io):
         and getattr(value, "__module__", "").startswith("sglang_mxfp8_hicache")
     }
     assert not ours, f"{type(backend).__name__} has attributes of ours: {ours}"
+
+
+def test_guard_reads_the_backends_attributes_as_they_are_now():
+    """A backend's methods run with the guard as ``self``, so a method that
+    calls a guarded one calls it guarded (here the ``dynamic`` key prefix);
+    its instance attributes are read as they are at each access, written
+    through the guard or by the backend itself, and one set on the instance
+    over a class method wins."""
+
+    class Backend:
+        def __init__(self):
+            self.calls = 0
+
+        def batch_exists(self, keys):
+            return list(keys)
+
+        def batch_exists_v2(self, keys):
+            self.calls += 1
+            return self.batch_exists(keys)
+
+        def batch_set(self, keys, values):
+            raise AssertionError("not called")
+
+        batch_get = batch_set
+
+        def name(self):
+            return "class"
+
+    backend = Backend()
+    pool = SimpleNamespace(storage_format_tag="tag")
+    config = SimpleNamespace(extra_config={})
+    guard = storage.GuardedStorage(backend, pool, "dynamic", config)
+    for _ in range(2):  # the second time from the method the guard kept
+        assert guard.batch_exists_v2(["a"]) == ["tag_a"]
+    assert backend.calls == 2 and guard.calls == 2
+    backend.calls = 7
+    assert guard.calls == 7
+    guard.calls = 9
+    assert backend.calls == 9 and "calls" not in vars(guard)
+    assert guard.name() == "class"
+    backend.name = lambda: "instance"
+    assert guard.name() == "instance"
 
 
 def test_every_private_sglang_name_the_guards_read_exists():

@@ -11,8 +11,8 @@ puts, ``seal.hold_all`` on gets (the xxh3 passes), and the rest of the
 guard's own work (the whole guarded call less the backend's call and the
 seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS.json`` under
 ``--out`` and prints one JSON object of the split, per backend, thread count
-and batch size, in ms per batch (mean over every rep of that batch size,
-warm-up included).
+and batch size (the controller's batches: 256 pages go as two of 128), in ms
+per batch, the median over every rep of that batch size.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +29,9 @@ from typing import Any
 from sglang_mxfp8_hicache import seal, storage
 from sglang_mxfp8_hicache.tools import bench_l3
 
-_spent: collections.Counter[tuple[str, int]] = collections.Counter()
-_calls: collections.Counter[tuple[str, int]] = collections.Counter()
+_spent: collections.defaultdict[tuple[str, int], list[float]] = collections.defaultdict(
+    list
+)
 
 
 def _timed(name: str, fn: Callable[..., Any], pages_of: Callable[..., int]):
@@ -38,9 +40,9 @@ def _timed(name: str, fn: Callable[..., Any], pages_of: Callable[..., int]):
         try:
             return fn(*args, **kwargs)
         finally:
-            key = (name, pages_of(*args, **kwargs))
-            _spent[key] += time.perf_counter() - start
-            _calls[key] += 1
+            _spent[(name, pages_of(*args, **kwargs))].append(
+                time.perf_counter() - start
+            )
 
     return timed
 
@@ -81,7 +83,6 @@ def main() -> None:
                 continue  # file is not sealed
             os.environ[seal.THREADS_ENV] = str(threads)
             _spent.clear()
-            _calls.clear()
             report = bench_l3.run(backend, pages_list=pages)
             name = f"bench-l3-{backend}-t{threads}"
             with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
@@ -93,7 +94,7 @@ def main() -> None:
                     f"get {cell.ratio('get'):.3f}x"
                 )
             split[name] = {
-                f"{stage} {n}": round(1e3 * spent / _calls[(stage, n)], 4)
+                f"{stage} {n}": round(1e3 * statistics.median(spent), 4)
                 for (stage, n), spent in sorted(_spent.items())
             }
     print(json.dumps(split, indent=1))
