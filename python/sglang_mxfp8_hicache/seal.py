@@ -13,7 +13,8 @@ A seal is 24 bytes at the start of the part's last ``page.seal_bytes``:
 ``seed`` is xxh3-64 of the pool's format tag and the page's key, so an object
 stored under another key, or by a pool of another format, does not match;
 ``digest`` is xxh3-64 of every byte of the part before its seal, with that
-seed. SGLang already depends on ``xxhash``.
+seed. The rest of the seal is neither written nor checked: it never reaches
+a device page. SGLang already depends on ``xxhash``.
 
 A batch's parts are sealed and checked on ``SGLANG_MXFP8_HICACHE_SEAL_THREADS``
 threads (default 1, the storage thread itself). One xxh3 pass is bound by

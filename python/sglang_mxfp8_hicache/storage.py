@@ -13,8 +13,9 @@ pool of ours it
 * returns the backend SGLang built inside a :class:`GuardedStorage`, which
   guards its reads and writes and sets nothing on it: a stored page whose size is not
   this format's, or that misses a part, is a miss, logged once per batch, and
-  none of its bytes, nor those of the pages after it in the batch, reach the
-  host pool. These backends do not do that alone: ``HiCacheFile.get`` reads a
+  neither it nor the pages after it in the batch are taken into the host
+  pool (a failed NIXL read, retried over the leading good pages, may have
+  written the prefetch's own pages, which SGLang frees). These backends do not do that alone: ``HiCacheFile.get`` reads a
   longer file into the page without a word and raises on a shorter one (which
   costs the whole batch), Mooncake writes the parts of a page that are fine
   into host memory before it fails the part that is not, and NIXL fails the
