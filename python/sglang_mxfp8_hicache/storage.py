@@ -40,6 +40,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sglang_mxfp8_hicache import releases, seal
-from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.page import HostPage
 
 if TYPE_CHECKING:
@@ -104,8 +104,6 @@ REFUSED_STORAGE_BACKENDS: dict[str, str] = {
     ),
 }
 """Every other backend SGLang 0.5.23 offers, with the reason it is refused."""
-
-TESTED_MOONCAKE = "0.3.13.post1"
 
 SEALED_BACKENDS = ("dynamic", "hf3fs", "nixl")
 """Served backends whose reads are checked by the pages' seals (``seal.py``):
@@ -174,13 +172,14 @@ SGLANG_PRIVATE_NAMES: dict[str, str] = {
     "HiCacheFile._get_suffixed_key": "where a page's file is (no public name gives it)",
     "HiCacheNixl._get_suffixed_key": "where a flat page's file is",
     "HiCacheNixl._get_key_list_from_meta": "where a zero-copy page's part files are",
-    "MooncakeStore._tag_keys": "the keys as Mooncake stores them (model tag added)",
-    "MooncakeStore._batch_preprocess": "a page's object keys and part sizes",
+    "MooncakeStore._get_batch_zero_copy_impl": "every zero-copy read, its byte counts",
+    "MooncakeStore._tag_keys": "the keys as Mooncake stores them (bench --l3 removes)",
+    "MooncakeStore._batch_preprocess": "a page's object keys (bench --l3 removes)",
     "HiCacheStorageFailureInjector._backend": "the backend SGLang's test injector wraps",
     "HiCacheStorageFailureInjector._random_delay_limit": "its delay, for its rebuild",
     "HiCacheStorageFailureInjector._failure_prob": "its failure rate, for its rebuild",
 }
-"""Every private name of SGLang the guards read, with why: a release that
+"""Every private name of SGLang the guards and tools read, with why: a release that
 renames one fails ``test_storage``'s check of this table, naming it."""
 
 
@@ -218,15 +217,6 @@ def guard_storage_backend(
     backend = injector._backend if injector is not None else built
     if isinstance(backend, GuardedStorage):  # the hook ran twice around one build
         return built
-    if backend_name == "mooncake" and not hasattr(
-        backend.store, "batch_get_replica_desc"
-    ):
-        raise refusal_error(
-            "the installed Mooncake has no batch_get_replica_desc, which the size "
-            f"check needs; install mooncake-transfer-engine>={TESTED_MOONCAKE}.",
-            name,
-            pool.pool_label,
-        )
     guarded = GuardedStorage(backend, pool, backend_name, storage_config)
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
@@ -282,8 +272,7 @@ class GuardedStorage:
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_guards", guards)
         object.__setattr__(self, "_methods", {})
-        if backend_name in SIZE_CHECKS:
-            method, check = SIZE_CHECKS[backend_name]
+        for method, check in SIZE_CHECKS.get(backend_name, ()):
             guard(method, check, backend)
         if backend_name in KEY_PREFIXED_BACKENDS:
             prefix = f"{pool.storage_format_tag}_"
@@ -532,14 +521,20 @@ def _leading_good_pages(wrong: list[WrongPage], pages: int) -> int:
     logger.warning(
         "L3: %d of %d pages in this batch are missing a part or have the "
         "wrong size or seal; they and the pages after the first of them are "
-        "treated as not in L3 (first: %s, %s bytes, expected %d).",
+        "treated as not in L3 (first: %s, %s, expected %d bytes).",
         len(wrong),
         pages,
         key,
-        "unsealed" if found == UNSEALED else found,
+        _describe_found(found),
         expected,
     )
     return first
+
+
+def _describe_found(found: int) -> str:
+    if found == UNSEALED:
+        return "unsealed"
+    return f"read error {found}" if found < 0 else f"{found} bytes"
 
 
 def _file_batch_get_checked(
@@ -563,6 +558,26 @@ def _file_batch_get_checked(
     return [*read(keys[:good], target_locations[:good]), *[None] * (len(keys) - good)]
 
 
+class _ObjectLengths(threading.local):
+    """The objects of the current thread's Mooncake batch read that arrived
+    with another length than their buffer's: (object, key, bytes read,
+    bytes expected, objects in the read); None outside a guarded read."""
+
+    wrong: list[tuple[int, str, int, int, int]] | None = None
+
+
+_mooncake_reads = _ObjectLengths()
+
+WRONG_LENGTH = -2000
+"""What the guard reports, in place of the bytes read, for an object that
+arrived with another length than its buffer's (Mooncake's own errors are
+small negative codes; SGLang counts any result above 0 as read)."""
+
+MOONCAKE_OBJECT_NOT_FOUND = -704
+"""Mooncake's ``OBJECT_NOT_FOUND`` (``ErrorCode``), a read's result for an
+object it does not hold."""
+
+
 def _mooncake_batch_get_checked(
     read: Callable[..., Any],
     store: Any,
@@ -570,28 +585,66 @@ def _mooncake_batch_get_checked(
     host_indices: torch.Tensor,
     extra_info: Any = None,
 ) -> list[bool]:
-    """``MooncakeStore.batch_get_v1``, reading only the leading pages whose
-    objects all exist with exactly the sizes the pool asks for (one master
-    query): Mooncake would write the K part of a page whose V part is missing."""
-    if not keys:
-        return read(keys, host_indices, extra_info)
-    # One object per page part (K part, V part), one size each.
-    object_keys, _, part_sizes = store._batch_preprocess(
-        store._tag_keys(keys), host_indices
-    )
-    found = _mooncake_object_sizes(store.store, object_keys)
-    per_page = len(object_keys) // len(keys)
+    """``MooncakeStore.batch_get_v1``, its objects' lengths checked on arrival
+    (:func:`_mooncake_lengths_checked`, run by the read itself): the pages
+    before the first bad one, logged once. Mooncake refuses a longer object
+    before writing a byte; a shorter one it reads, and SGLang would take it.
+    A page with some parts and not others is bad too; a page with none is a
+    plain miss, which SGLang logs. What the read wrote past a bad page lies in
+    the prefetch's own host pages, which SGLang frees past the last that
+    arrived."""
+    _mooncake_reads.wrong = []
+    try:
+        results = read(keys, host_indices, extra_info)
+        objects = _mooncake_reads.wrong
+    finally:
+        _mooncake_reads.wrong = None
+    if not objects:
+        return results
+    per_page = max(1, objects[0][4] // max(1, len(keys)))
+    by_page: dict[int, list[tuple[int, str, int, int, int]]] = {}
+    for wrong_object in objects:
+        by_page.setdefault(wrong_object[0] // per_page, []).append(wrong_object)
     wrong: list[WrongPage] = []
-    for n, (key, expected) in enumerate(zip(object_keys, part_sizes, strict=True)):
-        page, size = n // per_page, found.get(key)
-        if (
-            size is not None
-            and size != expected
-            and (not wrong or wrong[-1][0] != page)
-        ):
-            wrong.append((page, key, size, expected))
+    for page, page_objects in by_page.items():
+        found = [object_found for _, _, object_found, _, _ in page_objects]
+        if found != [MOONCAKE_OBJECT_NOT_FOUND] * per_page:  # not a plain miss
+            _, key, first_found, expected, _ = page_objects[0]
+            wrong.append((page, key, first_found, expected))
     good = _leading_good_pages(wrong, len(keys))
-    return _read_leading(read, keys, host_indices, extra_info, good)
+    return [*results[:good], *[False] * (len(keys) - good)]
+
+
+def _mooncake_lengths_checked(
+    read_into: Callable[..., Any],
+    store: Any,
+    key_strs: list[str],
+    buffer_ptrs: list[Any],
+    buffer_sizes: list[Any],
+) -> list[int]:
+    """``MooncakeStore._get_batch_zero_copy_impl``, through which every
+    zero-copy read of the store goes (``batch_get_v1``, its pool-transfer
+    reads, ``get``): Mooncake returns the bytes it read per object, and an
+    object of another length than its buffer is reported as
+    :data:`WRONG_LENGTH`, so SGLang takes it as not read. Inside a guarded
+    ``batch_get_v1``, every object not read whole is noted for its log."""
+    counts = read_into(key_strs, buffer_ptrs, buffer_sizes)
+    expected = np.array(
+        [sum(size) if isinstance(size, list | tuple) else size for size in buffer_sizes]
+    )
+    found = np.asarray(counts, dtype=np.int64)
+    if _mooncake_reads.wrong is not None:
+        _mooncake_reads.wrong += [
+            (int(n), key_strs[n], int(found[n]), int(expected[n]), len(counts))
+            for n in np.flatnonzero(found != expected)
+        ]
+    short = np.flatnonzero((found > 0) & (found != expected))
+    if not len(short):
+        return counts
+    counts = list(counts)
+    for n in short:
+        counts[n] = WRONG_LENGTH
+    return counts
 
 
 def _read_leading(
@@ -666,28 +719,14 @@ def _nixl_batch_get_checked(
     return _read_leading(read, keys, host_indices, extra_info, good)
 
 
-SIZE_CHECKS: dict[str, tuple[str, Callable[..., Any]]] = {
-    "file": ("batch_get", _file_batch_get_checked),
-    "mooncake": ("batch_get_v1", _mooncake_batch_get_checked),
-    "nixl": ("batch_get_v1", _nixl_batch_get_checked),
+SIZE_CHECKS: dict[str, tuple[tuple[str, Callable[..., Any]], ...]] = {
+    "file": (("batch_get", _file_batch_get_checked),),
+    "mooncake": (
+        ("batch_get_v1", _mooncake_batch_get_checked),
+        ("_get_batch_zero_copy_impl", _mooncake_lengths_checked),
+    ),
+    "nixl": (("batch_get_v1", _nixl_batch_get_checked),),
 }
-"""Per backend whose stored objects have a size to ask for: the read the
-controller calls, and the check that reads only the leading pages of the
-pool's exact size."""
-
-MISSING = -1
-"""Size reported for an object the master does not know."""
-
-
-def _mooncake_object_sizes(client: Any, object_keys: list[str]) -> dict[str, int]:
-    """Each object's size, from its first memory replica; MISSING for an object
-    the master does not know. An object held only on disk (SSD offload) names
-    no size here and is left out: Mooncake's own read checks it."""
-    sizes = dict.fromkeys(object_keys, MISSING)
-    for key, replicas in client.batch_get_replica_desc(object_keys).items():
-        memory = [r for r in replicas if r.is_memory_replica()]
-        if memory:
-            sizes[key] = memory[0].get_memory_descriptor().buffer_descriptor.size
-        elif replicas:
-            del sizes[key]
-    return sizes
+"""Per backend whose stored objects have a size or length to check: the
+methods of its reads, and the checks that let through only the leading pages
+of the pool's exact size."""

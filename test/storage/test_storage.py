@@ -475,6 +475,24 @@ def test_guard_reads_the_backends_attributes_as_they_are_now():
     assert guard.name() == "instance"
 
 
+def test_mooncake_read_of_a_shorter_object_is_not_a_read():
+    """Every zero-copy read of Mooncake goes through the length check: it
+    returns the bytes it read per object and SGLang takes any count above 0
+    as read, so a shorter object comes back as the guard's WRONG_LENGTH;
+    whole objects and Mooncake's own errors pass as they are, buffers split
+    over several pointers count their sum."""
+    counts = [100, 60, storage.MOONCAKE_OBJECT_NOT_FOUND, 30]
+
+    def read_into(keys, pointers, sizes):
+        return counts
+
+    sizes = [100, 100, 100, [10, 20]]
+    got = storage._mooncake_lengths_checked(
+        read_into, None, list("abcd"), [0] * 4, sizes
+    )
+    assert got == [100, storage.WRONG_LENGTH, storage.MOONCAKE_OBJECT_NOT_FOUND, 30]
+
+
 def test_every_private_sglang_name_the_guards_read_exists():
     """A release that renames one of them fails here, naming it."""
     from sglang.srt.mem_cache.hicache_storage import (
@@ -914,11 +932,13 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     with caplog.at_level(logging.WARNING):
         arrived = stored.fetch()
     assert arrived == 2
-    # Backends checked by seals read every page before it is judged, and
-    # SeaweedFS reads a batch's pages in parallel, past a bad one: into the
-    # prefetch's own host pages, which SGLang frees past the last that arrived.
+    # Backends checked by seals read every page before it is judged, Mooncake's
+    # lengths are checked on arrival, and SeaweedFS reads a batch's pages in
+    # parallel, past a bad one: into the prefetch's own host pages, which
+    # SGLang frees past the last that arrived.
     past_a_miss = stored.io.zero_copy and backend[0] in (
         *storage.SEALED_BACKENDS,
+        "mooncake",
         "seaweedfs",
     )
     stored.check(2, misses_kept=not past_a_miss)
