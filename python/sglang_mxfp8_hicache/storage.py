@@ -14,13 +14,13 @@ pool of ours it
   guards its reads and writes and sets nothing on it: a stored page whose size is not
   this format's, or that misses a part, is a miss, logged once per batch, and
   neither it nor the pages after it in the batch are taken into the host
-  pool (a failed NIXL read, retried over the leading good pages, may have
-  written the prefetch's own pages, which SGLang frees). These backends do not do that alone: ``HiCacheFile.get`` reads a
-  longer file into the page without a word and raises on a shorter one (which
-  costs the whole batch), Mooncake writes the parts of a page that are fine
-  into host memory before it fails the part that is not, and NIXL fails the
-  whole batch on one short file and reads a longer one's first bytes
-  (``seaweedfs`` checks sizes itself);
+  pool (what a zero-copy read wrote past it lies in the prefetch's own host
+  pages, which SGLang frees). These backends do not do that alone:
+  ``HiCacheFile.get`` reads a longer file into the page without a word and
+  raises on a shorter one (which costs the whole batch), Mooncake reads a
+  shorter object and reports the bytes it read, which SGLang takes as read
+  whatever their number, and NIXL fails the whole batch on one short file and
+  reads a longer one's first bytes (``seaweedfs`` checks sizes itself);
 * for ``dynamic`` (a class SGLang loads by module path, which reports no
   object sizes), ``hf3fs`` (fixed slots of a shared file, read whatever was
   last written there) and ``nixl`` (files rewritten in place, a longer old
@@ -43,7 +43,7 @@ import os
 import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -558,12 +558,24 @@ def _file_batch_get_checked(
     return [*read(keys[:good], target_locations[:good]), *[None] * (len(keys) - good)]
 
 
-class _ObjectLengths(threading.local):
-    """The objects of the current thread's Mooncake batch read that arrived
-    with another length than their buffer's: (object, key, bytes read,
-    bytes expected, objects in the read); None outside a guarded read."""
+class WrongObject(NamedTuple):
+    """An object of a Mooncake read that did not arrive whole."""
 
-    wrong: list[tuple[int, str, int, int, int]] | None = None
+    index: int
+    """Its place among the read's objects."""
+    key: str
+    found: int
+    """Bytes read, or Mooncake's (negative) error."""
+    expected: int
+    objects: int
+    """Objects in the read."""
+
+
+class _ObjectLengths(threading.local):
+    """The objects of the current thread's guarded Mooncake batch read that
+    did not arrive whole; None outside one."""
+
+    wrong: list[WrongObject] | None = None
 
 
 _mooncake_reads = _ObjectLengths()
@@ -601,16 +613,16 @@ def _mooncake_batch_get_checked(
         _mooncake_reads.wrong = None
     if not objects:
         return results
-    per_page = max(1, objects[0][4] // max(1, len(keys)))
-    by_page: dict[int, list[tuple[int, str, int, int, int]]] = {}
+    per_page = objects[0].objects // len(keys)
+    by_page: dict[int, list[WrongObject]] = {}
     for wrong_object in objects:
-        by_page.setdefault(wrong_object[0] // per_page, []).append(wrong_object)
+        by_page.setdefault(wrong_object.index // per_page, []).append(wrong_object)
     wrong: list[WrongPage] = []
     for page, page_objects in by_page.items():
-        found = [object_found for _, _, object_found, _, _ in page_objects]
+        found = [wrong_object.found for wrong_object in page_objects]
         if found != [MOONCAKE_OBJECT_NOT_FOUND] * per_page:  # not a plain miss
-            _, key, first_found, expected, _ = page_objects[0]
-            wrong.append((page, key, first_found, expected))
+            first = page_objects[0]
+            wrong.append((page, first.key, first.found, first.expected))
     good = _leading_good_pages(wrong, len(keys))
     return [*results[:good], *[False] * (len(keys) - good)]
 
@@ -635,7 +647,9 @@ def _mooncake_lengths_checked(
     found = np.asarray(counts, dtype=np.int64)
     if _mooncake_reads.wrong is not None:
         _mooncake_reads.wrong += [
-            (int(n), key_strs[n], int(found[n]), int(expected[n]), len(counts))
+            WrongObject(
+                int(n), key_strs[n], int(found[n]), int(expected[n]), len(counts)
+            )
             for n in np.flatnonzero(found != expected)
         ]
     short = np.flatnonzero((found > 0) & (found != expected))
