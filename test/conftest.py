@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from testkit.kernel_emulation import EmulatedKernels
 
 HAS_CUDA = torch.cuda.is_available()
+SESSION_MOONCAKE_SEGMENT = "2GB"
 
 
 SOAK_FIGURES: list[str] = []
@@ -207,13 +209,17 @@ def mooncake():
 
     Pass ``mooncake.extra_config()`` as the storage config's ``extra_config``:
     the test's client then holds no segment and every byte crosses TCP.
+    The storage node holds 2 GB (touched only as it fills): the session's
+    tests store more than 512 MB and remove nothing, and a put into a store
+    at its watermark can fail before Mooncake's eviction catches up.
     """
     from testkit.mooncake_loopback import (
         MooncakeLoopback,
         mooncake_available,
     )
 
-    yield from _loopback_service("Mooncake", mooncake_available, MooncakeLoopback)
+    service = functools.partial(MooncakeLoopback, segment_size=SESSION_MOONCAKE_SEGMENT)
+    yield from _loopback_service("Mooncake", mooncake_available, service)
 
 
 def _loopback_service(name, available, service_class):
