@@ -86,15 +86,26 @@ _T = TypeVar("_T")
 
 def _each(work: Callable[[np.ndarray, int], _T], parts, seeds) -> list[_T]:
     """``work(part, seed)`` for every part, on ``threads()`` threads (one
-    pool of them per process, whatever the batch's size)."""
-    count = threads()
-    if count == 1 or len(parts) <= 1:
+    pool of them per process, whatever the batch's size), each given one
+    run of consecutive parts: a task per part would cost more in Python than
+    the xxh3 pass over a small part."""
+    pool_threads = threads()
+    count = min(pool_threads, len(parts))
+    if count <= 1:
         return [work(part, seed) for part, seed in zip(parts, seeds, strict=True)]
     with _executors_lock:  # storage threads of several pools may be here at once
-        if count not in _executors:
-            _executors[count] = ThreadPoolExecutor(count, thread_name_prefix="seal")
-        executor = _executors[count]
-    return list(executor.map(work, parts, seeds))
+        if pool_threads not in _executors:
+            _executors[pool_threads] = ThreadPoolExecutor(
+                pool_threads, thread_name_prefix="seal"
+            )
+        executor = _executors[pool_threads]
+    cuts = [len(parts) * n // count for n in range(count + 1)]
+
+    def run(lo: int, hi: int) -> list[_T]:
+        return [work(parts[n], seeds[n]) for n in range(lo, hi)]
+
+    runs = executor.map(run, cuts[:-1], cuts[1:])
+    return [done for run_done in runs for done in run_done]
 
 
 def write_all(parts: Sequence[np.ndarray], seeds: Sequence[int], seal_bytes: int):

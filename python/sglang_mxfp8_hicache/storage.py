@@ -36,6 +36,7 @@ Every other pool's backend is left to SGLang unchanged.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from sglang_mxfp8_hicache import releases, seal
+from sglang_mxfp8_hicache.chunked import ChunkedCalls
 from sglang_mxfp8_hicache.page import HostPage
 
 if TYPE_CHECKING:
@@ -283,12 +285,15 @@ class GuardedStorage:
             v1 = backend_name in ZERO_COPY_BACKENDS or bool(
                 (storage_config.extra_config or {}).get("interface_v1", 0)
             )
+            sealed = SealedBatches(
+                pool, ChunkedCalls("l3-read"), ChunkedCalls("l3-write")
+            )
             if v1:
-                guard("batch_set_v1", _sealed_set_v1, pool)
-                guard("batch_get_v1", _checked_get_v1, pool)
+                guard("batch_set_v1", _sealed_set_v1, sealed)
+                guard("batch_get_v1", _checked_get_v1, sealed)
             else:
-                guard("batch_set", _sealed_set, pool)
-                guard("batch_get", _checked_get, pool)
+                guard("batch_set", _sealed_set, sealed)
+                guard("batch_get", _checked_get, sealed)
 
     def _own(self, name: str) -> Any:
         """The backend's ``name``; a method of its class bound to the guard.
@@ -348,8 +353,20 @@ def _bind(check: Callable[..., Any], method: Callable[..., Any], context: Any):
 
 
 def _with_key_prefix(method: Callable[..., Any], prefix: str) -> Callable[..., Any]:
+    """``method`` given the keys with ``prefix``, and the ``prefix_keys`` of
+    its extra info too: ``prefix_keys + keys`` stays one chain of keys."""
+
+    def prefixed_info(value: Any) -> Any:
+        if getattr(value, "prefix_keys", None) is None:
+            return value
+        info = copy.copy(value)
+        info.prefix_keys = [prefix + key for key in value.prefix_keys]
+        return info
+
     @functools.wraps(method)
     def prefixed(keys: Sequence[str], *args: Any, **kwargs: Any) -> Any:
+        args = tuple(prefixed_info(arg) for arg in args)
+        kwargs = {name: prefixed_info(arg) for name, arg in kwargs.items()}
         return method([prefix + key for key in keys], *args, **kwargs)
 
     return prefixed
@@ -416,93 +433,172 @@ def _read_or_log(read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return None
 
 
+class SealedBatches(NamedTuple):
+    """What a sealed backend's guards share: the pool, and the threads its
+    reads and writes run on, chunk by chunk (``chunked.py``)."""
+
+    pool: Any
+    reads: ChunkedCalls
+    writes: ChunkedCalls
+
+
+def _chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:
+    """``extra_info`` for the chunk of a batch that starts at page ``start``:
+    its ``prefix_keys`` (the hashes before the call's keys, when SGLang
+    passes them) extended by the batch's keys before the chunk, as SGLang's
+    hybrid controller does for the calls it splits."""
+    prefix = getattr(extra_info, "prefix_keys", None)
+    if start == 0 or prefix is None:
+        return extra_info
+    chunk_info = copy.copy(extra_info)
+    chunk_info.prefix_keys = [*prefix, *keys[:start]]
+    return chunk_info
+
+
 def _sealed_set(
     write: Callable[..., Any],
-    pool: Any,
+    sealed: SealedBatches,
     keys: Sequence[str],
     values: Sequence[torch.Tensor],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    """A generic ``batch_set`` of flat pages (views of host pages), sealed first."""
-    _seal_pages(pool, [_flat_page_parts(pool, value) for value in values], keys)
-    return write(keys, values, *args, **kwargs)
+    """A generic ``batch_set`` of flat pages (views of host pages), each
+    chunk sealed while the one before is written; true if every chunk was."""
+    pool = sealed.pool
+    if args or kwargs:  # not the controller's call: one chunk
+        _seal_pages(pool, [_flat_page_parts(pool, value) for value in values], keys)
+        return write(keys, values, *args, **kwargs)
+
+    def seal_chunk(start: int, end: int) -> None:
+        parts = [_flat_page_parts(pool, value) for value in values[start:end]]
+        _seal_pages(pool, parts, keys[start:end])
+
+    replies = sealed.writes.sealed_write(
+        len(keys),
+        seal_chunk,
+        lambda start, end: write(keys[start:end], values[start:end]),
+    )
+    return all(replies)
 
 
 def _sealed_set_v1(
     write: Callable[..., Any],
-    pool: Any,
+    sealed: SealedBatches,
     keys: Sequence[str],
     host_indices: torch.Tensor,
-    *args: Any,
-    **kwargs: Any,
-) -> Any:
-    """A zero-copy ``batch_set_v1``, each host page sealed first."""
-    _seal_pages(pool, _host_page_parts(pool, host_indices), keys)
-    return write(keys, host_indices, *args, **kwargs)
+    extra_info: Any = None,
+) -> list[bool]:
+    """A zero-copy ``batch_set_v1``, each chunk's host pages sealed while the
+    chunk before is written."""
+    pool = sealed.pool
+    page_size = pool.page_size
+
+    def seal_chunk(start: int, end: int) -> None:
+        pages = host_indices[start * page_size : end * page_size]
+        _seal_pages(pool, _host_page_parts(pool, pages), keys[start:end])
+
+    def write_chunk(start: int, end: int) -> list[bool]:
+        pages = host_indices[start * page_size : end * page_size]
+        reply = write(
+            keys[start:end], pages, _chunk_extra_info(extra_info, keys, start)
+        )
+        return [*reply[: end - start], *[False] * (end - start - len(reply))]
+
+    replies = sealed.writes.sealed_write(len(keys), seal_chunk, write_chunk)
+    return [written for reply in replies for written in reply]
 
 
 def _checked_get(
     read: Callable[..., Any],
-    pool: Any,
+    sealed: SealedBatches,
     keys: Sequence[str],
     target_locations: Sequence[torch.Tensor],
     target_sizes: Any = None,
 ) -> list[torch.Tensor | None]:
     """A generic ``batch_get``: the leading pages the class returned as one
-    whole flat page each, sealed under their key. The targets are the
-    controller's staging pages: nothing reaches a host page before this."""
-    results = _read_or_log(read, keys, target_locations, target_sizes)
-    if results is None:
-        return [None] * len(keys)
+    whole flat page each, sealed under their key, each chunk checked while
+    the next is read. The targets are the controller's staging pages:
+    nothing reaches a host page before this."""
+    pool = sealed.pool
     expected = pool.host_page.span_bytes
-    # SGLang takes no page after a miss (or past a short reply).
-    replied = min(len(keys), len(results))
-    returned = next((n for n, r in enumerate(results[:replied]) if r is None), replied)
-    found = [r.numel() * r.element_size() for r in results[:returned]]
-    whole = [n for n, size in enumerate(found) if size == expected]
-    readable, parts = [], []
-    for n in whole:
-        try:
-            parts.append(_flat_page_parts(pool, results[n]))
-            readable.append(n)
-        except (RuntimeError, TypeError):  # not a contiguous CPU tensor
-            pass
-    sealed = _pages_sealed(pool, parts, [keys[n] for n in readable])
-    unsealed = set(whole) - {n for n, ok in zip(readable, sealed, strict=True) if ok}
-    wrong: list[WrongPage] = [
-        (n, keys[n], UNSEALED if n in unsealed else size, expected)
-        for n, size in enumerate(found)
-        if size != expected or n in unsealed
-    ]
-    good = min(returned, _leading_good_pages(wrong, len(keys)))
+
+    def read_chunk(start: int, end: int) -> list[torch.Tensor | None] | None:
+        sizes = None if target_sizes is None else target_sizes[start:end]
+        return _read_or_log(read, keys[start:end], target_locations[start:end], sizes)
+
+    def check_chunk(start: int, end: int, results: Any) -> int:
+        if results is None:
+            return 0
+        # SGLang takes no page after a miss (or past a short reply).
+        replied = min(end - start, len(results))
+        returned = next(
+            (n for n, r in enumerate(results[:replied]) if r is None), replied
+        )
+        found = [r.numel() * r.element_size() for r in results[:returned]]
+        whole = [n for n, size in enumerate(found) if size == expected]
+        readable, parts = [], []
+        for n in whole:
+            try:
+                parts.append(_flat_page_parts(pool, results[n]))
+                readable.append(n)
+            except (RuntimeError, TypeError):  # not a contiguous CPU tensor
+                pass
+        ok = _pages_sealed(pool, parts, [keys[start + n] for n in readable])
+        unsealed = set(whole) - {n for n, o in zip(readable, ok, strict=True) if o}
+        wrong: list[WrongPage] = [
+            (start + n, keys[start + n], UNSEALED if n in unsealed else size, expected)
+            for n, size in enumerate(found)
+            if size != expected or n in unsealed
+        ]
+        return min(returned, _leading_good_pages(wrong, len(keys)) - start)
+
+    good, replies = sealed.reads.read_checked(len(keys), read_chunk, check_chunk)
+    results = [result for reply in replies if reply is not None for result in reply]
     return [*results[:good], *[None] * (len(keys) - good)]
 
 
 def _checked_get_v1(
     read: Callable[..., Any],
-    pool: Any,
+    sealed: SealedBatches,
     keys: Sequence[str],
     host_indices: torch.Tensor,
     extra_info: Any = None,
 ) -> list[bool]:
     """A zero-copy ``batch_get_v1``: the leading pages the backend says it
-    read whose bytes carry their seal. It writes the prefetch's own host pages,
-    which SGLang frees past the last page that arrived, and takes no page
-    after a miss, so none is judged (hf3fs reads the pages found after a
-    missing one into the targets of the pages before them)."""
-    results = _read_or_log(read, keys, host_indices, extra_info)
-    if results is None:
-        return [False] * len(keys)
+    read whose bytes carry their seal, each chunk checked while the next is
+    read. It writes the prefetch's own host pages, which SGLang frees past
+    the last page that arrived, and takes no page after a miss, so none is
+    judged (hf3fs reads the pages found after a missing one into the targets
+    of the pages before them)."""
+    pool = sealed.pool
+    page_size = pool.page_size
     expected = pool.host_page.span_bytes
-    replied = min(len(keys), len(results))
-    returned = next((n for n, hit in enumerate(results[:replied]) if not hit), replied)
-    pages = _host_page_parts(pool, host_indices[: returned * pool.page_size])
-    sealed = _pages_sealed(pool, pages, keys[:returned])
-    wrong: list[WrongPage] = [
-        (n, keys[n], UNSEALED, expected) for n, ok in enumerate(sealed) if not ok
-    ]
-    good = min(returned, _leading_good_pages(wrong, len(keys)))
+
+    def read_chunk(start: int, end: int) -> list[bool] | None:
+        pages = host_indices[start * page_size : end * page_size]
+        chunk_info = _chunk_extra_info(extra_info, keys, start)
+        return _read_or_log(read, keys[start:end], pages, chunk_info)
+
+    def check_chunk(start: int, end: int, results: list[bool] | None) -> int:
+        if results is None:
+            return 0
+        replied = min(end - start, len(results))
+        returned = next(
+            (n for n, hit in enumerate(results[:replied]) if not hit), replied
+        )
+        pages = host_indices[start * page_size : (start + returned) * page_size]
+        ok = _pages_sealed(
+            pool, _host_page_parts(pool, pages), keys[start : start + returned]
+        )
+        wrong: list[WrongPage] = [
+            (start + n, keys[start + n], UNSEALED, expected)
+            for n, held in enumerate(ok)
+            if not held
+        ]
+        return min(returned, _leading_good_pages(wrong, len(keys)) - start)
+
+    good, _ = sealed.reads.read_checked(len(keys), read_chunk, check_chunk)
     return [*[True] * good, *[False] * (len(keys) - good)]
 
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import releases, storage
+from sglang_mxfp8_hicache import chunked, releases, storage
 from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
@@ -949,6 +949,71 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     else:
         [line] = ours
         assert "2 of 6 pages in this batch are missing a part or have the wrong" in line
+
+
+@pytest.mark.parametrize(
+    "backend", ["nixl", "hf3fs", "dynamic", "dynamic_v1"], indirect=True
+)
+def test_bad_page_in_a_later_chunk_is_a_miss(make_pools, open_io, backend, caplog):
+    """A sealed batch of 20 pages moves in chunks of 10, 5 and 5, each checked
+    while the next is read (``chunked.py``): page 12, in the second chunk,
+    has one flipped payload bit. 12 pages arrive, byte for byte, the batch
+    logs once, and no host page outside the fetch changes."""
+    assert chunked.chunk_bounds(20) == [(0, 10), (10, 15), (15, 20)]
+    _, host = make_pools(heads=4, head_dim=128, layers=2, pages=20)
+    stored = Stored(open_io(host), pages=20, seed=13)
+    _plant(stored.io, stored.hashes[12], "flipped_payload")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        arrived = stored.fetch()
+    assert arrived == 12
+    stored.check(12, misses_kept=not stored.io.zero_copy)
+    ours = [r.getMessage() for r in caplog.records if r.name == storage.__name__]
+    [line] = ours
+    assert "1 of 20 pages in this batch" in line and "unsealed" in line
+
+
+@on_cpu
+@pytest.mark.parametrize("backend", ["dynamic_v1"], indirect=True)
+def test_chunks_are_read_and_written_with_their_prefix_keys(
+    make_pools, open_io, backend, monkeypatch
+):
+    """Each chunk's call carries the batch's ``prefix_keys`` and the keys
+    before the chunk, so that ``prefix_keys + keys`` stays one chain, as
+    SGLang's own split calls keep it, every key with the format tag; a call
+    without prefix keys keeps none, and the caller's extra info is left as
+    it was."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=20)
+    calls = []
+    store = dict_l3_backend.DictStoreV1
+    for name in ("batch_get_v1", "batch_set_v1"):
+        method = getattr(store, name)
+
+        def recorded(self, keys, host_indices, extra_info=None, _m=method, _n=name):
+            prefix = getattr(extra_info, "prefix_keys", None)
+            calls.append((_n, list(keys), prefix))
+            return _m(self, keys, host_indices, extra_info)
+
+        monkeypatch.setattr(store, name, recorded)
+    io = open_io(host)  # the guard binds the class's methods as it is built
+    keys = [f"page{n}" for n in range(20)]
+    indices = page_token_indices(torch.arange(20))
+    backend_ = io.storage_backend
+    info = HiCacheStorageExtraInfo(prefix_keys=["p0", "p1"])
+    assert backend_.batch_set_v1(keys, indices, info) == [True] * 20
+    assert backend_.batch_get_v1(keys, indices, info) == [True] * 20
+    assert backend_.batch_get_v1(keys, indices, None) == [True] * 20
+    tag = f"{host.storage_format_tag}_"
+    for name in ("batch_set_v1", "batch_get_v1"):
+        chunks = [(k, p) for n, k, p in calls if n == name][:3]
+        assert [len(k) for k, _ in chunks] == [10, 5, 5]
+        for chunk_keys, prefix in chunks:
+            start = keys.index(chunk_keys[0].removeprefix(tag))
+            assert prefix == [tag + key for key in ["p0", "p1", *keys[:start]]]
+    assert [p for n, _, p in calls[-3:]] == [None] * 3
+    assert info.prefix_keys == ["p0", "p1"]
 
 
 dynamic_only = pytest.mark.parametrize(

@@ -1,24 +1,28 @@
 """Where an L3 put and get of MXFP8 pages spend their time, per backend.
 
     python test/l3_breakdown.py [--backends file,nixl,hf3fs] [--threads 1,4]
-        [--pages 1,4,16,64,256] [--out DIR]
+        [--chunks 4,0] [--pages 1,4,16,64,256] [--out DIR]
 
 Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
-side, median of 5 reps) once per local backend and seal thread count
-(``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) in one process, and times, inside the
+side, median of 5 reps) once per local backend, seal thread count
+(``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) and smallest chunk of a sealed batch
+(``chunked.chunk_bounds``; 0: the batch in one call) in one process, and
+times, inside the
 same runs, what ours does that payload-only does not: ``seal.write_all`` on
 puts, ``seal.hold_all`` on gets (the xxh3 passes), and the rest of the
-guard's own work (the whole guarded call less the backend's call and the
-seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS.json`` under
-``--out`` and prints one JSON object of the split, per backend, thread count
-and batch size (the controller's batches: 256 pages go as two of 128), in ms
-per batch, the median over every rep of that batch size.
+guard's own work (the whole guarded call less the backend's calls and the
+seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS-cCHUNK.json``
+under ``--out`` and prints one JSON object of the split, per run and
+batch size (the controller's batches: 256 pages go as two of 128; the seal
+and backend stages of a chunked batch per chunk size), in ms per call, the
+median over every rep.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import statistics
@@ -26,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sglang_mxfp8_hicache import seal, storage
+from sglang_mxfp8_hicache import chunked, seal, storage
 from sglang_mxfp8_hicache.tools import bench_l3
 
 _spent: collections.defaultdict[tuple[str, int], list[float]] = collections.defaultdict(
@@ -70,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="file,nixl,hf3fs")
     parser.add_argument("--threads", default="1,4")
+    parser.add_argument("--chunks", default=f"{chunked.SMALLEST_CHUNK_PAGES},0")
     parser.add_argument("--pages", default="1,4,16,64,256")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
@@ -77,24 +82,33 @@ def main() -> None:
     _install()
     bench_l3.apply_plugin_hooks()
     split: dict[str, Any] = {}
-    for backend in args.backends.split(","):
-        for threads in [int(t) for t in args.threads.split(",")]:
-            if backend == "file" and threads > 1:
-                continue  # file is not sealed
-            os.environ[seal.THREADS_ENV] = str(threads)
-            _spent.clear()
-            report = bench_l3.run(backend, pages_list=pages)
-            name = f"bench-l3-{backend}-t{threads}"
-            with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
-                f.write(report.to_json())
-            print(bench_l3.describe(report))
-            for cell in report.cells:
-                print(
-                    f"  {name} {cell.pages:4d} pages: put {cell.ratio('put'):.3f}x "
-                    f"get {cell.ratio('get'):.3f}x"
-                )
-            split[name] = {
-                f"{stage} {n}": round(1e3 * statistics.median(spent), 4)
-                for (stage, n), spent in sorted(_spent.items())
-            }
+    bounds = chunked.chunk_bounds
+    threads_list = [int(t) for t in args.threads.split(",")]
+    chunks_list = [int(c) for c in args.chunks.split(",")]
+    runs = [
+        (backend, threads, smallest)
+        for backend in args.backends.split(",")
+        for threads in threads_list
+        for smallest in chunks_list
+        # file is not sealed: one run
+        if backend != "file" or (threads, smallest) == (threads_list[0], chunks_list[0])
+    ]
+    for backend, threads, smallest in runs:
+        os.environ[seal.THREADS_ENV] = str(threads)
+        chunked.chunk_bounds = functools.partial(bounds, smallest=smallest)
+        _spent.clear()
+        report = bench_l3.run(backend, pages_list=pages)
+        name = f"bench-l3-{backend}-t{threads}-c{smallest}"
+        with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
+            f.write(report.to_json())
+        print(bench_l3.describe(report))
+        for cell in report.cells:
+            print(
+                f"  {name} {cell.pages:4d} pages: put {cell.ratio('put'):.3f}x "
+                f"get {cell.ratio('get'):.3f}x"
+            )
+        split[name] = {
+            f"{stage} {n}": round(1e3 * statistics.median(spent), 4)
+            for (stage, n), spent in sorted(_spent.items())
+        }
     print(json.dumps(split, indent=1))

@@ -1,0 +1,119 @@
+"""A sealed L3 batch moved in chunks, so that the seal pass hides behind the
+backend's own I/O.
+
+A sealed page (``seal.py``) costs one xxh3 pass over its bytes: before a put,
+after a get. Made over the whole batch before or after the backend's one call,
+the pass adds its whole time to the batch's (about as much as a local
+backend's read on the GPU hosts here). Split into chunks, the backend moves
+one chunk on a thread of its own while the caller seals the next (puts) or
+checks the one before (gets): the batch then costs the backend's time, one
+call more per chunk, and the pass over one chunk, its last (gets) or first
+(puts). Chunks shrink by half down to :data:`SMALLEST_CHUNK_PAGES`, so that
+that chunk is small and a batch of ``n`` pages makes about ``log2(n / 4)``
+calls.
+
+The backend's calls of one direction run in order on one thread per guarded
+backend, as SGLang runs them on its one prefetch or backup thread, and never
+two at once; a batch returns only once none of its calls is left running
+(a read past a bad page writes the prefetch's own host pages, which SGLang
+frees when the batch returns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TypeVar
+
+SMALLEST_CHUNK_PAGES = 4
+"""Pages of a batch's smallest chunk; a batch under twice this is one call."""
+
+_Reply = TypeVar("_Reply")
+
+
+def chunk_bounds(
+    pages: int, smallest: int = SMALLEST_CHUNK_PAGES
+) -> list[tuple[int, int]]:
+    """(start, end) of each chunk of a batch of ``pages``: each the larger
+    half of what is left, while what is left is at least twice ``smallest``;
+    then the rest.
+    A ``smallest`` of 0 makes the batch one chunk."""
+    sizes: list[int] = []
+    left = pages
+    while smallest and left >= 2 * smallest:
+        sizes.append(left - left // 2)
+        left //= 2
+    sizes.append(left)
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+class ChunkedCalls:
+    """One direction of a guarded backend's sealed batches (``"l3-read"``,
+    ``"l3-write"``): the backend's calls run in order on this object's
+    thread, the seal passes on the caller's."""
+
+    def __init__(self, name: str) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def read_checked(
+        self,
+        pages: int,
+        read: Callable[[int, int], _Reply],
+        check: Callable[[int, int, _Reply], int],
+    ) -> tuple[int, list[_Reply]]:
+        """Reads a batch of ``pages`` chunk by chunk (``read(start, end)``),
+        each chunk's read issued behind the one before, and checks each
+        chunk's reply while the next is read (``check(start, end, reply)``:
+        the chunk's leading good pages, logging what it finds bad).
+
+        Returns the batch's leading good pages and the replies of the chunks
+        read up to the first with a bad page; the chunks after it are not
+        read, or their reads are awaited and dropped."""
+        bounds = chunk_bounds(pages)
+        if len(bounds) == 1:
+            reply = read(0, pages)
+            return check(0, pages, reply), [reply]
+        reads: list[Future[_Reply]] = [
+            self._thread.submit(read, start, end) for start, end in bounds
+        ]
+        good, replies = 0, []
+        try:
+            for (start, end), chunk_read in zip(bounds, reads, strict=True):
+                reply = chunk_read.result()
+                replies.append(reply)
+                chunk_good = check(start, end, reply)
+                good = start + chunk_good
+                if chunk_good < end - start:
+                    break
+        finally:
+            for chunk_read in reads:
+                chunk_read.cancel()
+            wait(reads)
+        return good, replies
+
+    def sealed_write(
+        self,
+        pages: int,
+        seal: Callable[[int, int], None],
+        write: Callable[[int, int], _Reply],
+    ) -> list[_Reply]:
+        """Writes a batch of ``pages`` chunk by chunk: ``seal(start, end)``
+        on the caller's thread, then ``write(start, end)`` issued behind the
+        chunk before, while the caller seals the next. Returns each chunk's
+        reply, once every write is done; the first write that raised raises."""
+        bounds = chunk_bounds(pages)
+        if len(bounds) == 1:
+            seal(0, pages)
+            return [write(0, pages)]
+        writes: list[Future[_Reply]] = []
+        try:
+            for start, end in bounds:
+                seal(start, end)
+                writes.append(self._thread.submit(write, start, end))
+        finally:
+            wait(writes)
+        return [chunk_write.result() for chunk_write in writes]

@@ -1,0 +1,153 @@
+"""A sealed batch in chunks (``chunked.py``): the chunks cover the batch in
+order, the backend's calls run one at a time on their own thread while the
+caller's pass runs on the chunk beside, and a batch returns only once none of
+its calls is left running."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from sglang_mxfp8_hicache.chunked import (
+    SMALLEST_CHUNK_PAGES,
+    ChunkedCalls,
+    chunk_bounds,
+)
+
+WAIT_S = 10.0
+"""How long a test waits for the other side of an overlap before failing."""
+
+
+@pytest.mark.parametrize("pages", [*range(1, 40), 64, 127, 128, 256])
+def test_chunks_cover_the_batch_and_shrink(pages):
+    bounds = chunk_bounds(pages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == pages
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    sizes = [end - start for start, end in bounds]
+    assert sizes == sorted(sizes, reverse=True)
+    if pages < 2 * SMALLEST_CHUNK_PAGES:
+        assert sizes == [pages]
+    else:
+        assert min(sizes) >= SMALLEST_CHUNK_PAGES
+        assert sizes[-1] < 2 * SMALLEST_CHUNK_PAGES
+    assert chunk_bounds(pages, smallest=0) == [(0, pages)]
+
+
+def test_chunks_of_a_controller_batch():
+    assert chunk_bounds(64) == [(0, 32), (32, 48), (48, 56), (56, 60), (60, 64)]
+    assert chunk_bounds(20) == [(0, 10), (10, 15), (15, 20)]
+
+
+def test_each_chunk_is_checked_while_the_next_is_read():
+    """Chunk 1's read waits until chunk 0's check has begun, and chunk 0's
+    check until chunk 1's read has begun: only an overlap finishes. Reads run
+    in order, on one thread that is not the caller's."""
+    calls = ChunkedCalls("test-read")
+    checking, reading = threading.Event(), threading.Event()
+    read_threads, reads = set(), []
+
+    def read(start, end):
+        read_threads.add(threading.get_ident())
+        reads.append((start, end))
+        if start == 10:
+            reading.set()
+            assert checking.wait(WAIT_S), (
+                "chunk 0 was not checked during chunk 1's read"
+            )
+        return list(range(start, end))
+
+    def check(start, end, reply):
+        assert reply == list(range(start, end))
+        if start == 0:
+            checking.set()
+            assert reading.wait(WAIT_S), "chunk 1 was not read during chunk 0's check"
+        return end - start
+
+    good, replies = calls.read_checked(20, read, check)
+    assert good == 20
+    assert replies == [list(range(0, 10)), list(range(10, 15)), list(range(15, 20))]
+    assert reads == [(0, 10), (10, 15), (15, 20)]
+    assert read_threads and threading.get_ident() not in read_threads
+    assert len(read_threads) == 1
+
+
+def test_a_bad_chunk_ends_the_batch_once_its_reads_are_done():
+    """Chunk 0 has 7 good pages: the batch has 7, chunk 1's replies are
+    dropped, and the read in flight when chunk 0 was judged has finished
+    before the batch returns (it writes pages SGLang frees then)."""
+    calls = ChunkedCalls("test-read")
+    finished = []
+    started_second = threading.Event()
+
+    def read(start, end):
+        if start == 10:
+            started_second.set()
+            time.sleep(0.3)
+        finished.append(start)
+        return [True] * (end - start)
+
+    def check(start, end, reply):
+        assert started_second.wait(WAIT_S)
+        return 7 if start == 0 else end - start
+
+    good, replies = calls.read_checked(20, read, check)
+    assert good == 7
+    assert replies == [[True] * 10]
+    assert 10 in finished  # awaited, not left running
+    time.sleep(0.05)
+    assert finished in ([0, 10], [0, 10, 15])  # nothing runs after the batch
+
+
+def test_a_small_batch_is_one_call_on_the_callers_thread():
+    calls = ChunkedCalls("test-read")
+    threads = []
+
+    def read(start, end):
+        threads.append(threading.get_ident())
+        return [True] * (end - start)
+
+    good, _ = calls.read_checked(5, read, lambda start, end, reply: len(reply))
+    assert good == 5 and threads == [threading.get_ident()]
+
+
+def test_each_chunk_is_sealed_while_the_one_before_is_written():
+    """Chunk 0's write waits until chunk 1's seal has begun: only an overlap
+    finishes. Every write is done before the batch returns, in order."""
+    calls = ChunkedCalls("test-write")
+    sealing_second = threading.Event()
+    sealed, written = [], []
+
+    def seal(start, end):
+        sealed.append(start)
+        if start == 10:
+            sealing_second.set()
+
+    def write(start, end):
+        assert start in sealed, "a chunk was written before it was sealed"
+        if start == 0:
+            assert sealing_second.wait(WAIT_S), "chunk 1 was not sealed during a write"
+        time.sleep(0.01)
+        written.append(start)
+        return [True] * (end - start)
+
+    replies = calls.sealed_write(20, seal, write)
+    assert written == [0, 10, 15] == sealed
+    assert replies == [[True] * 10, [True] * 5, [True] * 5]
+
+
+def test_a_write_that_raises_raises_once_every_write_is_done():
+    calls = ChunkedCalls("test-write")
+    written = []
+
+    def write(start, end):
+        if start == 0:
+            raise ConnectionError("store unreachable")
+        time.sleep(0.05)
+        written.append(start)
+        return True
+
+    with pytest.raises(ConnectionError, match="store unreachable"):
+        calls.sealed_write(20, lambda start, end: None, write)
+    assert written == [10, 15]
