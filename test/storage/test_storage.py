@@ -85,16 +85,6 @@ def hit_query(io: StoragePageIO, tokens: list[int]) -> list[str]:
     return hashes
 
 
-def dynamic_config(v1: bool) -> dict:
-    """The extra config that makes SGLang load a ``dict_l3_backend`` class."""
-    return {
-        "backend_name": "dict",
-        "module_path": "testkit.dict_l3_backend",
-        "class_name": "DictStoreV1" if v1 else "DictStore",
-        **({"interface_v1": 1} if v1 else {}),
-    }
-
-
 @pytest.fixture(
     params=["file", "mooncake", "dynamic", "dynamic_v1", "hf3fs", "nixl", "seaweedfs"]
 )
@@ -113,7 +103,7 @@ def backend(request, tmp_path, monkeypatch, storage_hooks):
         service = request.getfixturevalue(request.param)
         yield request.param, service.extra_config()
     else:
-        yield "dynamic", dynamic_config(v1=request.param == "dynamic_v1")
+        yield "dynamic", dict_l3_backend.extra_config(v1=request.param == "dynamic_v1")
         dict_l3_backend.FAULTS.clear()
 
 
@@ -1330,7 +1320,7 @@ def test_controller_attach_round_trip_detach(l3, request):
     if l3 in ("mooncake", "seaweedfs"):
         config = request.getfixturevalue(l3).extra_config()
     elif l3.startswith("dynamic"):
-        name, config = "dynamic", dynamic_config(v1=l3 == "dynamic_v1")
+        name, config = "dynamic", dict_l3_backend.extra_config(v1=l3 == "dynamic_v1")
     [verdict] = run_cpu(["ours"], ["kv"], l3=name, l3_config=config).values()
     assert verdict.error is None, verdict.error
     result = verdict.l3

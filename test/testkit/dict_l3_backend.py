@@ -23,6 +23,17 @@ into the target as far as it fits and returns the target, whatever its size."""
 _LOCK = threading.Lock()
 
 
+def extra_config(v1: bool) -> dict:
+    """The extra config that makes SGLang load ``DictStoreV1`` (``v1``) or
+    ``DictStore`` from this module."""
+    return {
+        "backend_name": "dict",
+        "module_path": __name__,
+        "class_name": "DictStoreV1" if v1 else "DictStore",
+        **({"interface_v1": 1} if v1 else {}),
+    }
+
+
 class DictStore(HiCacheStorage):
     """Generic interface. A read returns the target filled with the stored
     bytes when they fit it exactly, else a tensor of the stored bytes."""

@@ -362,14 +362,14 @@ BAD_INPUTS = [
         ["bench", "--l3", "bogus"],
         "--l3",
         "'bogus'",
-        "'mooncake', 'seaweedfs'",
+        "'mooncake', 'seaweedfs', 'dynamic'",
     ),
     bad("l3_refused_backend", ["bench", "--l3", "sim"], "--l3", "'sim'"),
     bad(
         "l3_untimed_backend",
-        ["bench", "--l3", "dynamic"],
+        ["bench", "--l3", "aibrix"],
         "--l3",
-        "'mooncake', 'seaweedfs'",
+        "'seaweedfs', 'dynamic'",
     ),
     bad(
         "l3_geometry_8by128",
@@ -447,7 +447,7 @@ BAD_INPUTS = [
     bad(
         "l3_config_with_file",
         ["bench", "--l3", "file", "--l3-config", MASTER],
-        "--l3-config is for --l3 mooncake or seaweedfs, not --l3 file",
+        "--l3-config is for --l3 mooncake or seaweedfs or dynamic, not --l3 file",
     ),
     bad(
         "l3_config_without_l3",

@@ -17,7 +17,7 @@ BENCH_PAGES = (1, 4, 16, 64, 256, 1024)
 BENCH_SETUPS = ("page_first", "draft", "layer_first", "direct", "page_head")
 BENCH_SETUPS += FP4_FORMAT_NAMES
 """The host pool setups of ``bench --setup`` (``bench.setups`` builds them)."""
-L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs")
+L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs", "dynamic")
 """What ``bench --l3`` times; mooncake and seaweedfs against a running service."""
 L3_GEOMETRY = (8, 128, 4)
 """K and V of a page are each 512 KiB of payload plus 16 KiB of scales."""
@@ -196,8 +196,10 @@ class BenchRun(msgspec.Struct):
 L3_POOLS = ("mxfp8", "payload")
 L3_DIRECTIONS = ("put", "get")
 L3_GOAL_RATIO = 1.05
-L3_GOAL_FROM_PAGES = 64
-"""MXFP8 time at most L3_GOAL_RATIO x payload-only time, from this batch up."""
+L3_GOAL_FROM_PAGES = 16
+L3_SMALL_BATCH_GOAL_RATIO = 1.2
+"""MXFP8 time at most L3_GOAL_RATIO x payload-only time from
+L3_GOAL_FROM_PAGES pages up, L3_SMALL_BATCH_GOAL_RATIO x below."""
 
 
 class Cell(msgspec.Struct):
@@ -220,14 +222,15 @@ class Cell(msgspec.Struct):
         return self.pages_per_s(direction, pool) * self.page_bytes[pool] / 1e9
 
     @property
-    def has_goal(self) -> bool:
-        return self.pages >= L3_GOAL_FROM_PAGES
+    def goal(self) -> float:
+        """The most MXFP8 may take, as a multiple of payload-only's time."""
+        if self.pages >= L3_GOAL_FROM_PAGES:
+            return L3_GOAL_RATIO
+        return L3_SMALL_BATCH_GOAL_RATIO
 
     def missed(self) -> list[str]:
-        """The directions over the goal ratio, if this batch has a goal."""
-        if not self.has_goal:
-            return []
-        return [d for d in L3_DIRECTIONS if self.ratio(d) > L3_GOAL_RATIO]
+        """The directions over this batch's goal."""
+        return [d for d in L3_DIRECTIONS if self.ratio(d) > self.goal]
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -265,12 +268,16 @@ class Report(msgspec.Struct, kw_only=True):
                 }
                 for d in L3_DIRECTIONS
             }
-            | {"met": not c.missed() if c.has_goal else None}
+            | {"goal": c.goal, "met": not c.missed()}
             for c in self.cells
         ]
         report = msgspec.structs.asdict(self) | {
             "byte_ratio": self.byte_ratio,
-            "goal": {"ratio": L3_GOAL_RATIO, "from_pages": L3_GOAL_FROM_PAGES},
+            "goal": {
+                "ratio": L3_GOAL_RATIO,
+                "from_pages": L3_GOAL_FROM_PAGES,
+                "below": L3_SMALL_BATCH_GOAL_RATIO,
+            },
             "cells": cells,
         }
         return msgspec.json.format(msgspec.json.encode(report), indent=1)
