@@ -8,9 +8,11 @@ backend's read on the GPU hosts here). Split into chunks, the backend moves
 one chunk on a thread of its own while the caller seals the next (puts) or
 checks the one before (gets): the batch then costs the backend's time, one
 call more per chunk, and the pass over one chunk, its last (gets) or first
-(puts). Chunks shrink by half down to :data:`SMALLEST_CHUNK_PAGES`, so that
-that chunk is small and a batch of ``n`` pages makes about ``log2(n / 4)``
-calls.
+(puts). That chunk is the smallest: a get's chunks shrink by half down to
+:data:`SMALLEST_CHUNK_PAGES`, a put's grow from it the same way, so a batch
+of ``n`` pages makes about ``log2(n / 4)`` calls, and the pass keeps up with
+the backend while it is at least twice as fast (an xxh3 pass on one core,
+about 7 GB/s on the GPU hosts here, against 2-4 GB/s of file I/O).
 
 The backend's calls of one direction run in order on one thread per guarded
 backend, as SGLang runs them on its one prefetch or backup thread, and never
@@ -44,11 +46,22 @@ def chunk_bounds(
         sizes.append(left - left // 2)
         left //= 2
     sizes.append(left)
+    return _bounds(sizes)
+
+
+def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
     bounds, start = [], 0
     for size in sizes:
         bounds.append((start, start + size))
         start += size
     return bounds
+
+
+def growing_chunk_bounds(pages: int) -> list[tuple[int, int]]:
+    """The chunks of :func:`chunk_bounds` in reverse order of size: the
+    smallest first."""
+    sizes = [end - start for start, end in chunk_bounds(pages)]
+    return _bounds(sizes[::-1])
 
 
 class ChunkedCalls:
@@ -101,11 +114,12 @@ class ChunkedCalls:
         seal: Callable[[int, int], None],
         write: Callable[[int, int], _Reply],
     ) -> list[_Reply]:
-        """Writes a batch of ``pages`` chunk by chunk: ``seal(start, end)``
-        on the caller's thread, then ``write(start, end)`` issued behind the
-        chunk before, while the caller seals the next. Returns each chunk's
-        reply, once every write is done; the first write that raised raises."""
-        bounds = chunk_bounds(pages)
+        """Writes a batch of ``pages`` chunk by chunk, the smallest first
+        (:func:`growing_chunk_bounds`): ``seal(start, end)`` on the caller's
+        thread, then ``write(start, end)`` issued behind the chunk before,
+        while the caller seals the next. Returns each chunk's reply, once
+        every write is done; the first write that raised raises."""
+        bounds = growing_chunk_bounds(pages)
         if len(bounds) == 1:
             seal(0, pages)
             return [write(0, pages)]

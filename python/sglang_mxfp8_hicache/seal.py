@@ -16,12 +16,12 @@ stored under another key, or by a pool of another format, does not match;
 seed. The rest of the seal is neither written nor checked: it never reaches
 a device page. SGLang already depends on ``xxhash``.
 
-A batch's parts are sealed and checked on ``SGLANG_MXFP8_HICACHE_SEAL_THREADS``
-threads (default 1, the storage thread itself). One xxh3 pass is bound by
-what one core reads from memory (about 7 GB/s on the GPU hosts here) and runs
-outside the GIL, so 8 threads digest 4x as fast; but beside NIXL's file
-writes they did not make its puts and gets faster on the GPU machine's host
-(``docs/benchmarks.md``), so more threads are the operator's to try.
+The storage guard seals and checks a batch chunk by chunk, beside the
+backend's own I/O (``chunked.py``); a chunk's parts go to
+``SGLANG_MXFP8_HICACHE_SEAL_THREADS`` threads (default 1, the storage thread
+itself). One xxh3 pass is bound by what one core reads from memory (about
+7 GB/s on the GPU hosts here) and runs outside the GIL, so threads digest
+faster alone; what they gain end to end is in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations

@@ -28,8 +28,10 @@ pool of ours it
   that raises, returns a page of another size, or brings a page whose seal
   does not match its bytes and key is a miss; ``dynamic`` and ``hf3fs`` keys
   also get the pool's format tag as a prefix (neither puts the model name in
-  every key). A zero-copy backend writes the prefetch's own host pages,
-  which SGLang frees past the last page that arrived.
+  every key). A batch moves in chunks, each sealed or checked while the
+  backend moves the one beside (``chunked.py``). A zero-copy backend writes
+  the prefetch's own host pages, which SGLang frees past the last page that
+  arrived.
 
 Every other pool's backend is left to SGLang unchanged.
 """

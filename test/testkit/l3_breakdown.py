@@ -1,7 +1,7 @@
 """Where an L3 put and get of MXFP8 pages spend their time, per backend.
 
     python test/l3_breakdown.py [--backends file,nixl,hf3fs] [--threads 1,4]
-        [--chunks 4,0] [--pages 1,4,16,64,256] [--out DIR]
+        [--chunks 4,0] [--pages 1,4,16,64,256] [--device cpu] [--out DIR]
 
 Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
 side, median of 5 reps) once per local backend, seal thread count
@@ -15,7 +15,9 @@ seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS-cCHUNK.json``
 under ``--out`` and prints one JSON object of the split, per run and
 batch size (the controller's batches: 256 pages go as two of 128; the seal
 and backend stages of a chunked batch per chunk size), in ms per call, the
-median over every rep.
+median over every rep. ``--device cpu`` runs without a GPU: the pools on
+the CPU, SGLang's and our kernels emulated (``kernel_emulation``), pages
+not pinned.
 """
 
 from __future__ import annotations
@@ -76,8 +78,15 @@ def main() -> None:
     parser.add_argument("--threads", default="1,4")
     parser.add_argument("--chunks", default=f"{chunked.SMALLEST_CHUNK_PAGES},0")
     parser.add_argument("--pages", default="1,4,16,64,256")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
+    if args.device == "cpu":
+        from _pytest.monkeypatch import MonkeyPatch
+
+        from testkit.kernel_emulation import install_emulation
+
+        install_emulation(MonkeyPatch())
     pages = [int(p) for p in args.pages.split(",")]
     _install()
     bench_l3.apply_plugin_hooks()
@@ -97,7 +106,12 @@ def main() -> None:
         os.environ[seal.THREADS_ENV] = str(threads)
         chunked.chunk_bounds = functools.partial(bounds, smallest=smallest)
         _spent.clear()
-        report = bench_l3.run(backend, pages_list=pages)
+        report = bench_l3.run(
+            backend,
+            pages_list=pages,
+            device=args.device,
+            pin_memory=args.device == "cuda",
+        )
         name = f"bench-l3-{backend}-t{threads}-c{smallest}"
         with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
             f.write(report.to_json())

@@ -14,6 +14,7 @@ from sglang_mxfp8_hicache.chunked import (
     SMALLEST_CHUNK_PAGES,
     ChunkedCalls,
     chunk_bounds,
+    growing_chunk_bounds,
 )
 
 WAIT_S = 10.0
@@ -33,6 +34,10 @@ def test_chunks_cover_the_batch_and_shrink(pages):
         assert min(sizes) >= SMALLEST_CHUNK_PAGES
         assert sizes[-1] < 2 * SMALLEST_CHUNK_PAGES
     assert chunk_bounds(pages, smallest=0) == [(0, pages)]
+    growing = growing_chunk_bounds(pages)
+    assert [end - start for start, end in growing] == sizes[::-1]
+    assert growing[0][0] == 0 and growing[-1][1] == pages
+    assert all(a[1] == b[0] for a, b in zip(growing, growing[1:], strict=False))
 
 
 def test_chunks_of_a_controller_batch():
@@ -113,28 +118,29 @@ def test_a_small_batch_is_one_call_on_the_callers_thread():
 
 
 def test_each_chunk_is_sealed_while_the_one_before_is_written():
-    """Chunk 0's write waits until chunk 1's seal has begun: only an overlap
-    finishes. Every write is done before the batch returns, in order."""
+    """A put's chunks grow (5, 5, 10): chunk 0's write waits until chunk 1's
+    seal has begun, so only an overlap finishes. Every write is done before
+    the batch returns, in order."""
     calls = ChunkedCalls("test-write")
     sealing_second = threading.Event()
     sealed, written = [], []
 
     def seal(start, end):
-        sealed.append(start)
-        if start == 10:
+        sealed.append((start, end))
+        if start == 5:
             sealing_second.set()
 
     def write(start, end):
-        assert start in sealed, "a chunk was written before it was sealed"
+        assert (start, end) in sealed, "a chunk was written before it was sealed"
         if start == 0:
             assert sealing_second.wait(WAIT_S), "chunk 1 was not sealed during a write"
         time.sleep(0.01)
-        written.append(start)
+        written.append((start, end))
         return [True] * (end - start)
 
     replies = calls.sealed_write(20, seal, write)
-    assert written == [0, 10, 15] == sealed
-    assert replies == [[True] * 10, [True] * 5, [True] * 5]
+    assert written == [(0, 5), (5, 10), (10, 20)] == sealed
+    assert replies == [[True] * 5, [True] * 5, [True] * 10]
 
 
 def test_a_write_that_raises_raises_once_every_write_is_done():
@@ -150,4 +156,4 @@ def test_a_write_that_raises_raises_once_every_write_is_done():
 
     with pytest.raises(ConnectionError, match="store unreachable"):
         calls.sealed_write(20, lambda start, end: None, write)
-    assert written == [10, 15]
+    assert written == [5, 10]
