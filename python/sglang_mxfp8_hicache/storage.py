@@ -28,8 +28,9 @@ pool of ours it
   that raises, returns a page of another size, or brings a page whose seal
   does not match its bytes and key is a miss; ``dynamic`` and ``hf3fs`` keys
   also get the pool's format tag as a prefix (neither puts the model name in
-  every key). A batch moves in chunks, each sealed or checked while the
-  backend moves the one beside (``chunked.py``). A zero-copy backend writes
+  every key). With ``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``, a batch moves
+  in chunks, each sealed or checked while the backend moves the one beside
+  (``chunked.py``). A zero-copy backend writes
   the prefetch's own host pages, which SGLang frees past the last page that
   arrived.
 
@@ -50,8 +51,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from sglang_mxfp8_hicache import releases, seal
-from sglang_mxfp8_hicache.chunked import ChunkedCalls
+from sglang_mxfp8_hicache import chunked, releases, seal
 from sglang_mxfp8_hicache.page import HostPage
 
 if TYPE_CHECKING:
@@ -211,7 +211,11 @@ def guard_storage_backend(
     if refused is not None:
         raise refused.error(name, pool.pool_label)
     sealed = backend_name in SEALED_BACKENDS
-    seal_threads = seal.threads() if sealed else 0  # a bad value refused now
+    if sealed:  # a bad value refused now
+        settings = (
+            f"{seal.THREADS_ENV}={seal.threads()}, "
+            f"{chunked.CHUNK_PAGES_ENV}={chunked.smallest_chunk_pages()}"
+        )
     storage_config = releases.storage_config_with_tag(
         storage_config, pool.storage_format_tag
     )
@@ -230,7 +234,7 @@ def guard_storage_backend(
         backend_name,
         pool.describe_storage_page(),
         pool.storage_format_tag,
-        f" or seal ({seal.THREADS_ENV}={seal_threads})" if sealed else "",
+        f" or seal ({settings})" if sealed else "",
     )
     if injector is None:
         return guarded
@@ -287,8 +291,11 @@ class GuardedStorage:
             v1 = backend_name in ZERO_COPY_BACKENDS or bool(
                 (storage_config.extra_config or {}).get("interface_v1", 0)
             )
+            smallest = chunked.smallest_chunk_pages()
             sealed = SealedBatches(
-                pool, ChunkedCalls("l3-read"), ChunkedCalls("l3-write")
+                pool,
+                chunked.ChunkedCalls("l3-read", smallest),
+                chunked.ChunkedCalls("l3-write", smallest),
             )
             if v1:
                 guard("batch_set_v1", _sealed_set_v1, sealed)
@@ -440,8 +447,8 @@ class SealedBatches(NamedTuple):
     reads and writes run on, chunk by chunk (``chunked.py``)."""
 
     pool: Any
-    reads: ChunkedCalls
-    writes: ChunkedCalls
+    reads: chunked.ChunkedCalls
+    writes: chunked.ChunkedCalls
 
 
 def _chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:

@@ -944,12 +944,16 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
 @pytest.mark.parametrize(
     "backend", ["nixl", "hf3fs", "dynamic", "dynamic_v1"], indirect=True
 )
-def test_bad_page_in_a_later_chunk_is_a_miss(make_pools, open_io, backend, caplog):
-    """A sealed batch of 20 pages moves in chunks of 10, 5 and 5, each checked
-    while the next is read (``chunked.py``): page 12, in the second chunk,
-    has one flipped payload bit. 12 pages arrive, byte for byte, the batch
-    logs once, and no host page outside the fetch changes."""
-    assert chunked.chunk_bounds(20) == [(0, 10), (10, 15), (15, 20)]
+def test_bad_page_in_a_later_chunk_is_a_miss(
+    make_pools, open_io, backend, caplog, monkeypatch
+):
+    """With chunks of at least 4 pages, a sealed batch of 20 pages moves in
+    chunks of 10, 5 and 5, each checked while the next is read
+    (``chunked.py``): page 12, in the second chunk, has one flipped payload
+    bit. 12 pages arrive, byte for byte, the batch logs once, and no host
+    page outside the fetch changes."""
+    monkeypatch.setenv(chunked.CHUNK_PAGES_ENV, "4")
+    assert chunked.chunk_bounds(20, 4) == [(0, 10), (10, 15), (15, 20)]
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=20)
     stored = Stored(open_io(host), pages=20, seed=13)
     _plant(stored.io, stored.hashes[12], "flipped_payload")
@@ -968,13 +972,15 @@ def test_bad_page_in_a_later_chunk_is_a_miss(make_pools, open_io, backend, caplo
 def test_chunks_are_read_and_written_with_their_prefix_keys(
     make_pools, open_io, backend, monkeypatch
 ):
-    """Each chunk's call carries the batch's ``prefix_keys`` and the keys
+    """With chunks of at least 4 pages, each chunk's call carries the
+    batch's ``prefix_keys`` and the keys
     before the chunk, so that ``prefix_keys + keys`` stays one chain, as
     SGLang's own split calls keep it, every key with the format tag; a call
     without prefix keys keeps none, and the caller's extra info is left as
     it was."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
+    monkeypatch.setenv(chunked.CHUNK_PAGES_ENV, "4")
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=20)
     calls = []
     store = dict_l3_backend.DictStoreV1

@@ -2,11 +2,12 @@
 
     python test/l3_breakdown.py [--backends file,nixl,hf3fs] [--threads 1,4]
         [--chunks 4,0] [--pages 1,4,16,64,256] [--device cpu] [--out DIR]
+        [--l3-config JSON]
 
 Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
 side, median of 5 reps) once per local backend, seal thread count
 (``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) and smallest chunk of a sealed batch
-(``chunked.chunk_bounds``; 0: the batch in one call) in one process, and
+(``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``; 0: one call) in one process, and
 times, inside the
 same runs, what ours does that payload-only does not: ``seal.write_all`` on
 puts, ``seal.hold_all`` on gets (the xxh3 passes), and the rest of the
@@ -17,14 +18,15 @@ batch size (the controller's batches: 256 pages go as two of 128; the seal
 and backend stages of a chunked batch per chunk size), in ms per call, the
 median over every rep. ``--device cpu`` runs without a GPU: the pools on
 the CPU, SGLang's and our kernels emulated (``kernel_emulation``), pages
-not pinned.
+not pinned. ``dynamic`` and ``dynamic_v1`` are the tests' own classes
+(``dict_l3_backend``, generic and zero-copy); ``mooncake`` and ``seaweedfs``
+need ``--l3-config``, the extra config a loopback service prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import json
 import os
 import statistics
@@ -34,6 +36,7 @@ from typing import Any
 
 from sglang_mxfp8_hicache import chunked, seal, storage
 from sglang_mxfp8_hicache.tools import bench_l3
+from testkit import dict_l3_backend
 
 _spent: collections.defaultdict[tuple[str, int], list[float]] = collections.defaultdict(
     list
@@ -76,10 +79,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="file,nixl,hf3fs")
     parser.add_argument("--threads", default="1,4")
-    parser.add_argument("--chunks", default=f"{chunked.SMALLEST_CHUNK_PAGES},0")
+    parser.add_argument("--chunks", default="0,4")
     parser.add_argument("--pages", default="1,4,16,64,256")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default=".")
+    parser.add_argument("--l3-config", type=json.loads, default=None)
     args = parser.parse_args()
     if args.device == "cpu":
         from _pytest.monkeypatch import MonkeyPatch
@@ -91,7 +95,6 @@ def main() -> None:
     _install()
     bench_l3.apply_plugin_hooks()
     split: dict[str, Any] = {}
-    bounds = chunked.chunk_bounds
     threads_list = [int(t) for t in args.threads.split(",")]
     chunks_list = [int(c) for c in args.chunks.split(",")]
     runs = [
@@ -99,18 +102,23 @@ def main() -> None:
         for backend in args.backends.split(",")
         for threads in threads_list
         for smallest in chunks_list
-        # file is not sealed: one run
-        if backend != "file" or (threads, smallest) == (threads_list[0], chunks_list[0])
+        # what is not sealed: one run
+        if backend not in ("file", "mooncake", "seaweedfs")
+        or (threads, smallest) == (threads_list[0], chunks_list[0])
     ]
     for backend, threads, smallest in runs:
         os.environ[seal.THREADS_ENV] = str(threads)
-        chunked.chunk_bounds = functools.partial(bounds, smallest=smallest)
+        os.environ[chunked.CHUNK_PAGES_ENV] = str(smallest)
         _spent.clear()
+        config = args.l3_config
+        if backend.startswith("dynamic"):
+            config = dict_l3_backend.extra_config(v1=backend == "dynamic_v1")
         report = bench_l3.run(
-            backend,
+            backend.removesuffix("_v1"),
             pages_list=pages,
             device=args.device,
             pin_memory=args.device == "cuda",
+            l3_config=config,
         )
         name = f"bench-l3-{backend}-t{threads}-c{smallest}"
         with open(os.path.join(args.out, f"{name}.json"), "wb") as f:

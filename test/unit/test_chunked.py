@@ -11,11 +11,15 @@ import time
 import pytest
 
 from sglang_mxfp8_hicache.chunked import (
-    SMALLEST_CHUNK_PAGES,
+    CHUNK_PAGES_ENV,
     ChunkedCalls,
     chunk_bounds,
     growing_chunk_bounds,
+    smallest_chunk_pages,
 )
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+
+SMALLEST = 4
 
 WAIT_S = 10.0
 """How long a test waits for the other side of an overlap before failing."""
@@ -23,33 +27,34 @@ WAIT_S = 10.0
 
 @pytest.mark.parametrize("pages", [*range(1, 40), 64, 127, 128, 256])
 def test_chunks_cover_the_batch_and_shrink(pages):
-    bounds = chunk_bounds(pages)
+    bounds = chunk_bounds(pages, SMALLEST)
     assert bounds[0][0] == 0 and bounds[-1][1] == pages
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     sizes = [end - start for start, end in bounds]
     assert sizes == sorted(sizes, reverse=True)
-    if pages < 2 * SMALLEST_CHUNK_PAGES:
+    if pages < 2 * SMALLEST:
         assert sizes == [pages]
     else:
-        assert min(sizes) >= SMALLEST_CHUNK_PAGES
-        assert sizes[-1] < 2 * SMALLEST_CHUNK_PAGES
+        assert min(sizes) >= SMALLEST
+        assert sizes[-1] < 2 * SMALLEST
     assert chunk_bounds(pages, smallest=0) == [(0, pages)]
-    growing = growing_chunk_bounds(pages)
+    growing = growing_chunk_bounds(pages, SMALLEST)
     assert [end - start for start, end in growing] == sizes[::-1]
     assert growing[0][0] == 0 and growing[-1][1] == pages
     assert all(a[1] == b[0] for a, b in zip(growing, growing[1:], strict=False))
 
 
 def test_chunks_of_a_controller_batch():
-    assert chunk_bounds(64) == [(0, 32), (32, 48), (48, 56), (56, 60), (60, 64)]
-    assert chunk_bounds(20) == [(0, 10), (10, 15), (15, 20)]
+    assert chunk_bounds(64, 4) == [(0, 32), (32, 48), (48, 56), (56, 60), (60, 64)]
+    assert chunk_bounds(20, 4) == [(0, 10), (10, 15), (15, 20)]
+    assert chunk_bounds(64, 16) == [(0, 32), (32, 48), (48, 64)]
 
 
 def test_each_chunk_is_checked_while_the_next_is_read():
     """Chunk 1's read waits until chunk 0's check has begun, and chunk 0's
     check until chunk 1's read has begun: only an overlap finishes. Reads run
     in order, on one thread that is not the caller's."""
-    calls = ChunkedCalls("test-read")
+    calls = ChunkedCalls("test-read", SMALLEST)
     checking, reading = threading.Event(), threading.Event()
     read_threads, reads = set(), []
 
@@ -82,7 +87,7 @@ def test_a_bad_chunk_ends_the_batch_once_its_reads_are_done():
     """Chunk 0 has 7 good pages: the batch has 7, chunk 1's replies are
     dropped, and the read in flight when chunk 0 was judged has finished
     before the batch returns (it writes pages SGLang frees then)."""
-    calls = ChunkedCalls("test-read")
+    calls = ChunkedCalls("test-read", SMALLEST)
     finished = []
     started_second = threading.Event()
 
@@ -106,7 +111,7 @@ def test_a_bad_chunk_ends_the_batch_once_its_reads_are_done():
 
 
 def test_a_small_batch_is_one_call_on_the_callers_thread():
-    calls = ChunkedCalls("test-read")
+    calls = ChunkedCalls("test-read", SMALLEST)
     threads = []
 
     def read(start, end):
@@ -121,7 +126,7 @@ def test_each_chunk_is_sealed_while_the_one_before_is_written():
     """A put's chunks grow (5, 5, 10): chunk 0's write waits until chunk 1's
     seal has begun, so only an overlap finishes. Every write is done before
     the batch returns, in order."""
-    calls = ChunkedCalls("test-write")
+    calls = ChunkedCalls("test-write", SMALLEST)
     sealing_second = threading.Event()
     sealed, written = [], []
 
@@ -144,7 +149,7 @@ def test_each_chunk_is_sealed_while_the_one_before_is_written():
 
 
 def test_a_write_that_raises_raises_once_every_write_is_done():
-    calls = ChunkedCalls("test-write")
+    calls = ChunkedCalls("test-write", SMALLEST)
     written = []
 
     def write(start, end):
@@ -157,3 +162,26 @@ def test_a_write_that_raises_raises_once_every_write_is_done():
     with pytest.raises(ConnectionError, match="store unreachable"):
         calls.sealed_write(20, lambda start, end: None, write)
     assert written == [5, 10]
+
+
+def test_chunks_are_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(CHUNK_PAGES_ENV, raising=False)
+    assert smallest_chunk_pages() == 0
+    calls = ChunkedCalls("test-read", smallest_chunk_pages())
+    reads = []
+
+    def read(start, end):
+        reads.append((start, end))
+        return [True] * (end - start)
+
+    assert calls.read_checked(128, read, lambda s, e, r: len(r))[0] == 128
+    assert reads == [(0, 128)]
+    monkeypatch.setenv(CHUNK_PAGES_ENV, " 8 ")
+    assert smallest_chunk_pages() == 8
+
+
+@pytest.mark.parametrize("value", ["-4", "many", "1.5"])
+def test_chunk_pages_refuses_a_bad_value(monkeypatch, value):
+    monkeypatch.setenv(CHUNK_PAGES_ENV, value)
+    with pytest.raises(BlockScaledHiCacheConfigError, match=CHUNK_PAGES_ENV):
+        smallest_chunk_pages()
