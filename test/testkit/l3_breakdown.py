@@ -2,7 +2,7 @@
 
     python test/l3_breakdown.py [--backends file,nixl,hf3fs] [--threads 1,4]
         [--chunks 4,0] [--pages 1,4,16,64,256] [--device cpu] [--out DIR]
-        [--l3-config JSON]
+        [--l3-config JSON] [--no-seal]
 
 Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
 side, median of 5 reps) once per local backend, seal thread count
@@ -21,6 +21,8 @@ the CPU, SGLang's and our kernels emulated (``kernel_emulation``), pages
 not pinned. ``dynamic`` and ``dynamic_v1`` are the tests' own classes
 (``dict_l3_backend``, generic and zero-copy); ``mooncake`` and ``seaweedfs``
 need ``--l3-config``, the extra config a loopback service prints.
+``--no-seal`` makes the seal passes no-ops (every page holds its seal): what
+is left is the backend and the guard's own work.
 """
 
 from __future__ import annotations
@@ -84,7 +86,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", default=".")
     parser.add_argument("--l3-config", type=json.loads, default=None)
+    parser.add_argument("--no-seal", action="store_true")
     args = parser.parse_args()
+    if args.no_seal:
+        seal.write_all = lambda parts, seeds, seal_bytes: None
+        seal.hold_all = lambda parts, seeds, seal_bytes: [True] * len(parts)
     if args.device == "cpu":
         from _pytest.monkeypatch import MonkeyPatch
 
@@ -111,6 +117,7 @@ def main() -> None:
         os.environ[chunked.CHUNK_PAGES_ENV] = str(smallest)
         _spent.clear()
         config = args.l3_config
+        dict_l3_backend.STORE.clear()  # bench --l3 removes nothing a class holds
         if backend.startswith("dynamic"):
             config = dict_l3_backend.extra_config(v1=backend == "dynamic_v1")
         report = bench_l3.run(
