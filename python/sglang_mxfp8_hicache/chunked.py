@@ -3,7 +3,7 @@ backend's own I/O.
 
 A sealed page (``seal.py``) costs one xxh3 pass over its bytes: before a put,
 after a get. Made over the whole batch before or after the backend's one call,
-the pass adds its whole time to the batch's (about as much as a local
+the pass adds its whole time to the batch's (half to two thirds of a local
 backend's read on the GPU hosts here). Split into chunks, the backend moves
 one chunk on a thread of its own while the caller seals the next (puts) or
 checks the one before (gets): the batch then costs the backend's time, one
@@ -16,10 +16,10 @@ xxh3 pass on one core, about 7 GB/s on the GPU hosts here, against 2-4 GB/s
 of file I/O).
 
 It is off by default (0: a batch is one call): each call more costs the
-backend its own setup (NIXL about 0.4-1 ms a call), and the overlap needs a
-core to spare beside the backend's threads. On the 2-core CI machine chunks
-did not make NIXL or hf3fs faster (``docs/benchmarks.md``); a host of many
-cores is where to try it.
+backend its own setup (NIXL about 0.4 ms on the H100 host, 1.2 ms on the CI
+machine), and the overlap needs a core to spare beside the backend's
+threads. On the 2-core CI machine chunks did not make NIXL or hf3fs faster
+(``docs/benchmarks.md``); a host of many cores is where to try it.
 
 The backend's calls of one direction run in order on one thread per guarded
 backend, as SGLang runs them on its one prefetch or backup thread, and never
@@ -61,8 +61,7 @@ def smallest_chunk_pages() -> int:
 def chunk_bounds(pages: int, smallest: int) -> list[tuple[int, int]]:
     """(start, end) of each chunk of a batch of ``pages``: each the larger
     half of what is left, while what is left is at least twice ``smallest``;
-    then the rest.
-    A ``smallest`` of 0 makes the batch one chunk."""
+    then the rest. A ``smallest`` of 0 makes the batch one chunk."""
     sizes: list[int] = []
     left = pages
     while smallest and left >= 2 * smallest:
