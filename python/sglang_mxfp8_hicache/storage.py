@@ -366,11 +366,10 @@ def _with_key_prefix(method: Callable[..., Any], prefix: str) -> Callable[..., A
     its extra info too: ``prefix_keys + keys`` stays one chain of keys."""
 
     def prefixed_info(value: Any) -> Any:
-        if getattr(value, "prefix_keys", None) is None:
+        prefix_keys = getattr(value, "prefix_keys", None)
+        if prefix_keys is None:
             return value
-        info = copy.copy(value)
-        info.prefix_keys = [prefix + key for key in value.prefix_keys]
-        return info
+        return _with_prefix_keys(value, [prefix + key for key in prefix_keys])
 
     @functools.wraps(method)
     def prefixed(keys: Sequence[str], *args: Any, **kwargs: Any) -> Any:
@@ -459,9 +458,15 @@ def _chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:
     prefix = getattr(extra_info, "prefix_keys", None)
     if start == 0 or prefix is None:
         return extra_info
-    chunk_info = copy.copy(extra_info)
-    chunk_info.prefix_keys = [*prefix, *keys[:start]]
-    return chunk_info
+    return _with_prefix_keys(extra_info, [*prefix, *keys[:start]])
+
+
+def _with_prefix_keys(extra_info: Any, prefix_keys: list[str]) -> Any:
+    """A copy of SGLang's ``HiCacheStorageExtraInfo`` with other
+    ``prefix_keys``; the caller's is left as it was."""
+    info = copy.copy(extra_info)
+    info.prefix_keys = prefix_keys
+    return info
 
 
 def _sealed_set(

@@ -109,7 +109,7 @@ def main() -> None:
         for threads in threads_list
         for smallest in chunks_list
         # what is not sealed: one run
-        if backend not in ("file", "mooncake", "seaweedfs")
+        if backend.removesuffix("_v1") in storage.SEALED_BACKENDS
         or (threads, smallest) == (threads_list[0], chunks_list[0])
     ]
     for backend, threads, smallest in runs:
