@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 import torch
 from sglang.srt.mem_cache.pool_host.common import (
     ALLOC_MEMORY_FUNCS,
@@ -679,17 +680,17 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
         span.view(torch.uint8).copy_(data)
 
-    def page_numbers(self, indices) -> torch.Tensor:
+    def page_numbers(self, indices) -> np.ndarray:
         """The host page of each page of ``indices`` (token indices of whole
-        pages, on any device), on the CPU; raises, naming the index, on a page
-        that does not start at a page boundary."""
-        starts = indices[:: self.page_size].to(device="cpu", dtype=torch.int64)
-        misaligned = starts[starts % self.page_size != 0]
-        if len(misaligned):
-            self._page_of(int(misaligned[0]))
+        pages, on any device); raises, naming the index, on a page that does
+        not start at a page boundary. In numpy: a backend asks for every L3
+        batch, and torch's per-op cost would be most of a one-page get."""
+        starts = indices[:: self.page_size].cpu().numpy().astype(np.int64)
+        if (starts % self.page_size).any():
+            self._page_of(int(starts[np.flatnonzero(starts % self.page_size)[0]]))
         return starts // self.page_size
 
-    def _page_addresses(self, indices) -> torch.Tensor:
+    def _page_addresses(self, indices) -> np.ndarray:
         """The host address of each page of ``indices`` (``page_numbers``)."""
         span = self.host_page.span_bytes
         return self.kv_buffer.data_ptr() + self.page_numbers(indices) * span
@@ -698,9 +699,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         """Per page, the K part's then the V part's host pointer and size."""
         page = self.host_page
         k_ptr = self._page_addresses(indices)
-        pointers = torch.stack([k_ptr, k_ptr + page.k_part.span_bytes], dim=1)
+        pointers = np.empty(2 * len(k_ptr), dtype=np.int64)
+        pointers[0::2], pointers[1::2] = k_ptr, k_ptr + page.k_part.span_bytes
         sizes = [page.k_part.span_bytes, page.v_part.span_bytes] * len(k_ptr)
-        return pointers.view(-1).tolist(), sizes
+        return pointers.tolist(), sizes
 
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
         # The one allocation covers every span a zero-copy backend reads.
@@ -728,9 +730,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         group = heads // split_factor
         k_head, v_head = page.head_span_bytes()
         base = self._page_addresses(indices)
-        offsets = torch.arange(split_factor) * group
+        offsets = np.arange(split_factor) * group
         k = base[:, None] + offsets * k_head
         v = base[:, None] + page.k_part.span_bytes + offsets * v_head
-        pointers = torch.stack([k, v], dim=2).reshape(-1).tolist()
+        pointers = np.stack([k, v], axis=2).ravel().tolist()
         sizes = [group * k_head, group * v_head] * (split_factor * len(base))
         return pointers, sizes

@@ -43,6 +43,7 @@ This module imports no CUDA code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from sglang_mxfp8_hicache.geometry import ScaleFormat, ScaleGeometry
 
@@ -138,7 +139,8 @@ class StagedLayout:
 
 @dataclass(frozen=True)
 class HostPage:
-    """The byte order of one host page (module docstring) for one pool."""
+    """The byte order of one host page (module docstring) for one pool. Its
+    parts and span are computed once: L3 page lookups read them per batch."""
 
     k: ScaleGeometry
     v: ScaleGeometry
@@ -166,7 +168,7 @@ class HostPage:
         """Bytes of each part's seal; none on a heads-major page."""
         return 0 if self.heads_major else seal_bytes(self.page_size)
 
-    @property
+    @cached_property
     def k_part(self) -> PagePart:
         return PagePart(
             self.k.payload_page_bytes,
@@ -175,7 +177,7 @@ class HostPage:
             self.seal_bytes,
         )
 
-    @property
+    @cached_property
     def v_part(self) -> PagePart:
         return PagePart(
             self.v.payload_page_bytes,
@@ -184,7 +186,7 @@ class HostPage:
             self.seal_bytes,
         )
 
-    @property
+    @cached_property
     def span_bytes(self) -> int:
         """Bytes of one host page, K part then V part."""
         return self.k_part.span_bytes + self.v_part.span_bytes

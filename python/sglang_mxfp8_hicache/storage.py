@@ -264,7 +264,15 @@ class GuardedStorage:
     calls ``batch_exists``) calls it guarded, as the controller would; every
     other attribute, read or written, is the backend's. ``__class__`` is the
     backend's, for SGLang's ``isinstance(..., MooncakeStore)``.
+
+    A backend reads its own attributes in its page loops (``HiCacheNixl``
+    about ten per page), so the guard's instance dictionary is the backend's
+    own: those reads cost what they cost the backend. The guard's own state
+    is in slots, and every method it may guard is a :class:`_GuardedMethod`,
+    found before an instance attribute of that name.
     """
+
+    __slots__ = ("_backend", "_guards", "_methods", "__dict__")
 
     def __init__(
         self, backend: Any, pool: Any, backend_name: str, storage_config: Any
@@ -280,6 +288,8 @@ class GuardedStorage:
         object.__setattr__(self, "_backend", backend)
         object.__setattr__(self, "_guards", guards)
         object.__setattr__(self, "_methods", {})
+        if isinstance(getattr(backend, "__dict__", None), dict):
+            object.__setattr__(self, "__dict__", backend.__dict__)
         for method, check in SIZE_CHECKS.get(backend_name, ()):
             guard(method, check, backend)
         if backend_name in KEY_PREFIXED_BACKENDS:
@@ -307,11 +317,9 @@ class GuardedStorage:
     def _own(self, name: str) -> Any:
         """The backend's ``name``; a method of its class bound to the guard.
 
-        A backend reads its own attributes in its page loops (``HiCacheNixl``
-        about ten per page), so this is a hot path: the backend's instance
-        attributes are read from its ``__dict__``, and a class method is
-        looked up once and kept, bound to the guard (a class's functions do
-        not change; an instance attribute of that name still wins).
+        A class method (or static method) is looked up once and kept, bound
+        to the guard: a class's functions do not change, and an instance
+        attribute of that name still wins.
         """
         backend = object.__getattribute__(self, "_backend")
         own_attrs = getattr(backend, "__dict__", None) or {}
@@ -323,6 +331,9 @@ class GuardedStorage:
         attr = inspect.getattr_static(type(backend), name, None)
         if isinstance(attr, types.FunctionType):
             methods[name] = types.MethodType(attr, self)
+            return methods[name]
+        if isinstance(attr, staticmethod):
+            methods[name] = attr.__func__
             return methods[name]
         return getattr(backend, name)
 
@@ -751,6 +762,8 @@ def _mooncake_lengths_checked(
     :data:`WRONG_LENGTH`, so SGLang takes it as not read. Inside a guarded
     ``batch_get_v1``, every object not read whole is noted for its log."""
     counts = read_into(key_strs, buffer_ptrs, buffer_sizes)
+    if list(counts) == buffer_sizes:  # every object whole (sizes of one buffer each)
+        return counts
     expected = np.array(
         [sum(size) if isinstance(size, list | tuple) else size for size in buffer_sizes]
     )
@@ -854,3 +867,28 @@ SIZE_CHECKS: dict[str, tuple[tuple[str, Callable[..., Any]], ...]] = {
 """Per backend whose stored objects have a size or length to check: the
 methods of its reads, and the checks that let through only the leading pages
 of the pool's exact size."""
+
+
+class _GuardedMethod:
+    """A name :class:`GuardedStorage` may guard: its guard when it has one,
+    else the backend's own. A data descriptor, so an instance attribute of the
+    backend (whose dictionary the guard shares) never goes around a guard."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, guard: Any, owner: type | None = None) -> Any:
+        if guard is None:
+            return self
+        guards = object.__getattribute__(guard, "_guards")
+        return guards[self.name] if self.name in guards else guard._own(self.name)
+
+    def __set__(self, guard: Any, value: Any) -> None:
+        setattr(object.__getattribute__(guard, "_backend"), self.name, value)
+
+
+for _name in {
+    *KEYED_METHODS,
+    *(m for checks in SIZE_CHECKS.values() for m, _ in checks),
+}:
+    setattr(GuardedStorage, _name, _GuardedMethod(_name))

@@ -427,8 +427,9 @@ def test_guard_reads_the_backends_attributes_as_they_are_now():
     """A backend's methods run with the guard as ``self``, so a method that
     calls a guarded one calls it guarded (here the ``dynamic`` key prefix);
     its instance attributes are read as they are at each access, written
-    through the guard or by the backend itself, and one set on the instance
-    over a class method wins."""
+    through the guard or by the backend itself (the guard's dictionary is
+    the backend's), and one set on the instance over a class method wins,
+    but never over a guard."""
 
     class Backend:
         def __init__(self):
@@ -459,10 +460,12 @@ def test_guard_reads_the_backends_attributes_as_they_are_now():
     backend.calls = 7
     assert guard.calls == 7
     guard.calls = 9
-    assert backend.calls == 9 and "calls" not in vars(guard)
+    assert backend.calls == 9 and vars(guard) is vars(backend)
     assert guard.name() == "class"
     backend.name = lambda: "instance"
     assert guard.name() == "instance"
+    backend.batch_exists = lambda keys: ["unguarded"]
+    assert guard.batch_exists(["a"]) == ["tag_a"]
 
 
 def test_mooncake_read_of_a_shorter_object_is_not_a_read():

@@ -3,15 +3,15 @@
 Does an MXFP8 page cost more on L3 than its extra bytes? Both pools run side
 by side in one process, each with its own backend opened as the cache
 controller attaches one (:class:`~.l3.StoragePageIO`, our factory hook
-included), pages moving through the controller's own page functions in its
-batches: ``mxfp8``, our host pool over SGLang's MXFP8 device pool, and
-``payload``, SGLang's ``MHATokenToKVPoolHost`` given the same pool's payload
-alone (``pools.PayloadOnlyHost``: the floor). Puts and gets are timed by wall
-clock, as the storage threads spend it; per batch size one warm-up, then the
-median of ``reps``, the pools alternating which goes first. Every put has
-fresh keys, what a rep stored is removed before the next, gets land in other
-(poisoned) host pages, and the last rep's are compared byte for byte: a
-mismatch fails the run.
+included; Mooncake's two backends share one client), pages moving through the
+controller's own page functions in its batches: ``mxfp8``, our host pool over
+SGLang's MXFP8 device pool, and ``payload``, SGLang's ``MHATokenToKVPoolHost``
+given the same pool's payload alone (``pools.PayloadOnlyHost``: the floor).
+Puts and gets are timed by wall clock, as the storage threads spend it; per
+batch size one warm-up, then the median of ``reps``, the pools alternating
+which goes first. Every put has fresh keys, what a rep stored is removed
+before the next, gets land in other (poisoned) host pages, and the last rep's
+are compared byte for byte: a mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -302,7 +302,8 @@ def _open_all(
 ) -> tuple[dict[str, StoragePageIO], str]:
     """Each pool's backend, and where pages go; what it makes is undone when
     ``stack`` closes. A local backend gets a directory per pool: hf3fs keeps
-    no model name in its keys, and its metadata is per instance."""
+    no model name in its keys, and its metadata is per instance. Mooncake's
+    two share a client: clients of one process differ in speed on loopback."""
     run_id, local = uuid.uuid4().hex[:8], backend in LOCAL_BACKENDS
     if local:
         parent = l3_dir or os.environ.get(FILE_DIR_ENV) or None
@@ -336,6 +337,10 @@ def _open_all(
                 f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
             ) from exc
         stack.callback(ios[name].close)
+    if backend == "mooncake":  # one client for both (docs/benchmarks.md, L3)
+        payload = storage.sglang_backend(ios["payload"].storage_backend)
+        payload.store = storage.sglang_backend(ios["mxfp8"].storage_backend).store
+        payload.register_buffer(ios["payload"].storage_host_pool.kv_buffer)
     return ios, store
 
 
