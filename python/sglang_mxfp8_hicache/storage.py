@@ -211,10 +211,11 @@ def guard_storage_backend(
     if refused is not None:
         raise refused.error(name, pool.pool_label)
     sealed = backend_name in SEALED_BACKENDS
-    if sealed:  # a bad value refused now
+    chunk_pages = chunked.smallest_chunk_pages() if sealed else 0  # refused now
+    if sealed:
         settings = (
             f"{seal.THREADS_ENV}={seal.threads()}, "
-            f"{chunked.CHUNK_PAGES_ENV}={chunked.smallest_chunk_pages()}"
+            f"{chunked.CHUNK_PAGES_ENV}={chunk_pages}"
         )
     storage_config = releases.storage_config_with_tag(
         storage_config, pool.storage_format_tag
@@ -225,7 +226,7 @@ def guard_storage_backend(
     backend = injector._backend if injector is not None else built
     if isinstance(backend, GuardedStorage):  # the hook ran twice around one build
         return built
-    guarded = GuardedStorage(backend, pool, backend_name, storage_config)
+    guarded = GuardedStorage(backend, pool, backend_name, storage_config, chunk_pages)
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
         "another size%s is a miss.",
@@ -269,13 +270,19 @@ class GuardedStorage:
     about ten per page), so the guard's instance dictionary is the backend's
     own: those reads cost what they cost the backend. The guard's own state
     is in slots, and every method it may guard is a :class:`_GuardedMethod`,
-    found before an instance attribute of that name.
+    found before an instance attribute of that name. ``chunk_pages`` is the
+    smallest chunk of a sealed batch (``chunked.py``; 0: one call a batch).
     """
 
     __slots__ = ("_backend", "_guards", "_methods", "__dict__")
 
     def __init__(
-        self, backend: Any, pool: Any, backend_name: str, storage_config: Any
+        self,
+        backend: Any,
+        pool: Any,
+        backend_name: str,
+        storage_config: Any,
+        chunk_pages: int = 0,
     ) -> None:
         guards: dict[str, Callable[..., Any]] = {}
 
@@ -301,11 +308,10 @@ class GuardedStorage:
             v1 = backend_name in ZERO_COPY_BACKENDS or bool(
                 (storage_config.extra_config or {}).get("interface_v1", 0)
             )
-            smallest = chunked.smallest_chunk_pages()
             sealed = SealedBatches(
                 pool,
-                chunked.ChunkedCalls("l3-read", smallest),
-                chunked.ChunkedCalls("l3-write", smallest),
+                chunked.ChunkedCalls("l3-read", chunk_pages),
+                chunked.ChunkedCalls("l3-write", chunk_pages),
             )
             if v1:
                 guard("batch_set_v1", _sealed_set_v1, sealed)
@@ -555,11 +561,7 @@ def _checked_get(
     def check_chunk(start: int, end: int, results: Any) -> int:
         if results is None:
             return 0
-        # SGLang takes no page after a miss (or past a short reply).
-        replied = min(end - start, len(results))
-        returned = next(
-            (n for n, r in enumerate(results[:replied]) if r is None), replied
-        )
+        returned = _replied_before_a_miss(results, end - start, lambda r: r is None)
         found = [r.numel() * r.element_size() for r in results[:returned]]
         whole = [n for n, size in enumerate(found) if size == expected]
         readable, parts = [], []
@@ -608,10 +610,7 @@ def _checked_get_v1(
     def check_chunk(start: int, end: int, results: list[bool] | None) -> int:
         if results is None:
             return 0
-        replied = min(end - start, len(results))
-        returned = next(
-            (n for n, hit in enumerate(results[:replied]) if not hit), replied
-        )
+        returned = _replied_before_a_miss(results, end - start, lambda hit: not hit)
         pages = host_indices[start * page_size : (start + returned) * page_size]
         ok = _pages_sealed(
             pool, _host_page_parts(pool, pages), keys[start : start + returned]
@@ -625,6 +624,15 @@ def _checked_get_v1(
 
     good, _ = sealed.reads.read_checked(len(keys), read_chunk, check_chunk)
     return [*[True] * good, *[False] * (len(keys) - good)]
+
+
+def _replied_before_a_miss(
+    results: Sequence[Any], pages: int, missed: Callable[[Any], bool]
+) -> int:
+    """The pages of a chunk of ``pages`` that ``results`` gives before its
+    first miss: SGLang takes no page after a miss, or past a short reply."""
+    replied = min(pages, len(results))
+    return next((n for n, r in enumerate(results[:replied]) if missed(r)), replied)
 
 
 WrongPage = tuple[int, str, int, int]
