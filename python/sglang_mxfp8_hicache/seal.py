@@ -19,9 +19,10 @@ a device page. SGLang already depends on ``xxhash``.
 The storage guard seals and checks a batch chunk by chunk, beside the
 backend's own I/O (``chunked.py``); a chunk's parts go to
 ``SGLANG_MXFP8_HICACHE_SEAL_THREADS`` threads (default 1, the storage thread
-itself). One xxh3 pass is bound by what one core reads from memory (about
-7 GB/s on the GPU hosts here) and runs outside the GIL, so threads digest
-faster alone; what they gain end to end is in ``docs/benchmarks.md``.
+itself; read once per pool, when its guard is built). One xxh3 pass is
+bound by what one core reads from memory (about 7 GB/s on the GPU hosts
+here) and runs outside the GIL, so threads digest faster alone; what they
+gain end to end is in ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ _executors_lock = threading.Lock()
 _T = TypeVar("_T")
 
 
-def _each(work: Callable[[np.ndarray, int], _T], parts, seeds) -> list[_T]:
-    """``work(part, seed)`` for every part, on ``threads()`` threads (one
+def _each(
+    work: Callable[[np.ndarray, int], _T], parts, seeds, pool_threads: int
+) -> list[_T]:
+    """``work(part, seed)`` for every part, on ``pool_threads`` threads (one
     pool of them per process, whatever the batch's size), each given one
     run of consecutive parts: a task per part would cost more in Python than
     the xxh3 pass over a small part."""
-    pool_threads = threads()
     count = min(pool_threads, len(parts))
     if count <= 1:
         return [work(part, seed) for part, seed in zip(parts, seeds, strict=True)]
@@ -108,13 +110,30 @@ def _each(work: Callable[[np.ndarray, int], _T], parts, seeds) -> list[_T]:
     return [done for run_done in runs for done in run_done]
 
 
-def write_all(parts: Sequence[np.ndarray], seeds: Sequence[int], seal_bytes: int):
-    """Seals every part with its seed (``write``)."""
-    _each(lambda part, seed: write(part, seal_bytes, seed), parts, seeds)
+def write_all(
+    parts: Sequence[np.ndarray],
+    seeds: Sequence[int],
+    seal_bytes: int,
+    pool_threads: int = DEFAULT_THREADS,
+) -> None:
+    """Seals every part with its seed (``write``), on ``pool_threads``
+    threads (a pool's ``threads()``, read once when its guard is built)."""
+
+    def seal_one(part: np.ndarray, seed: int) -> None:
+        write(part, seal_bytes, seed)
+
+    _each(seal_one, parts, seeds, pool_threads)
 
 
 def hold_all(
-    parts: Sequence[np.ndarray], seeds: Sequence[int], seal_bytes: int
+    parts: Sequence[np.ndarray],
+    seeds: Sequence[int],
+    seal_bytes: int,
+    pool_threads: int = DEFAULT_THREADS,
 ) -> list[bool]:
-    """Whether each part carries its seal (``holds``)."""
-    return _each(lambda part, seed: holds(part, seal_bytes, seed), parts, seeds)
+    """Whether each part carries its seal (``holds``), on ``pool_threads``."""
+
+    def check_one(part: np.ndarray, seed: int) -> bool:
+        return holds(part, seal_bytes, seed)
+
+    return _each(check_one, parts, seeds, pool_threads)

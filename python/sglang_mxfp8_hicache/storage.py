@@ -211,12 +211,12 @@ def guard_storage_backend(
     if refused is not None:
         raise refused.error(name, pool.pool_label)
     sealed = backend_name in SEALED_BACKENDS
-    chunk_pages = chunked.smallest_chunk_pages() if sealed else 0  # refused now
-    if sealed:
-        settings = (
-            f"{seal.THREADS_ENV}={seal.threads()}, "
-            f"{chunked.CHUNK_PAGES_ENV}={chunk_pages}"
-        )
+    # Read once, a bad value refused now.
+    chunk_pages = chunked.smallest_chunk_pages() if sealed else 0
+    seal_threads = seal.threads() if sealed else seal.DEFAULT_THREADS
+    settings = (
+        f"{seal.THREADS_ENV}={seal_threads}, {chunked.CHUNK_PAGES_ENV}={chunk_pages}"
+    )
     storage_config = releases.storage_config_with_tag(
         storage_config, pool.storage_format_tag
     )
@@ -226,7 +226,9 @@ def guard_storage_backend(
     backend = injector._backend if injector is not None else built
     if isinstance(backend, GuardedStorage):  # the hook ran twice around one build
         return built
-    guarded = GuardedStorage(backend, pool, backend_name, storage_config, chunk_pages)
+    guarded = GuardedStorage(
+        backend, pool, backend_name, storage_config, chunk_pages, seal_threads
+    )
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
         "another size%s is a miss.",
@@ -271,7 +273,8 @@ class GuardedStorage:
     own: those reads cost what they cost the backend. The guard's own state
     is in slots, and every method it may guard is a :class:`_GuardedMethod`,
     found before an instance attribute of that name. ``chunk_pages`` is the
-    smallest chunk of a sealed batch (``chunked.py``; 0: one call a batch).
+    smallest chunk of a sealed batch (``chunked.py``; 0: one call a batch),
+    ``seal_threads`` the threads that seal and check it.
     """
 
     __slots__ = ("_backend", "_guards", "_methods", "__dict__")
@@ -283,6 +286,7 @@ class GuardedStorage:
         backend_name: str,
         storage_config: Any,
         chunk_pages: int = 0,
+        seal_threads: int = seal.DEFAULT_THREADS,
     ) -> None:
         guards: dict[str, Callable[..., Any]] = {}
 
@@ -312,6 +316,7 @@ class GuardedStorage:
                 pool,
                 chunked.ChunkedCalls("l3-read", chunk_pages),
                 chunked.ChunkedCalls("l3-write", chunk_pages),
+                seal_threads,
             )
             if v1:
                 guard("batch_set_v1", _sealed_set_v1, sealed)
@@ -430,19 +435,23 @@ def _part_seeds(pool: Any, keys: Sequence[str]) -> list[int]:
     return [seed for key in keys for seed in [seal.key_seed(tag, key)] * 2]
 
 
-def _seal_pages(pool: Any, pages: Sequence[PageParts], keys: Sequence[str]) -> None:
+def _seal_pages(
+    sealed: SealedBatches, pages: Sequence[PageParts], keys: Sequence[str]
+) -> None:
     """Seals both parts of every page of a batch (``seal.write_all``)."""
     parts = [part for page in pages for part in page]
-    seal.write_all(parts, _part_seeds(pool, keys), pool.host_page.seal_bytes)
+    seeds, seal_bytes = _part_seeds(sealed.pool, keys), sealed.pool.host_page.seal_bytes
+    seal.write_all(parts, seeds, seal_bytes, sealed.threads)
 
 
 def _pages_sealed(
-    pool: Any, pages: Sequence[PageParts], keys: Sequence[str]
+    sealed: SealedBatches, pages: Sequence[PageParts], keys: Sequence[str]
 ) -> list[bool]:
     """Whether both parts of each page carry the seal of their bytes under
     its key."""
     parts = [part for page in pages for part in page]
-    held = seal.hold_all(parts, _part_seeds(pool, keys), pool.host_page.seal_bytes)
+    seeds, seal_bytes = _part_seeds(sealed.pool, keys), sealed.pool.host_page.seal_bytes
+    held = seal.hold_all(parts, seeds, seal_bytes, sealed.threads)
     return [k and v for k, v in zip(held[::2], held[1::2], strict=True)]
 
 
@@ -459,12 +468,14 @@ def _read_or_log(read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 class SealedBatches(NamedTuple):
-    """What a sealed backend's guards share: the pool, and the threads its
-    reads and writes run on, chunk by chunk (``chunked.py``)."""
+    """What a sealed backend's guards share: the pool, the threads its reads
+    and writes run on, chunk by chunk (``chunked.py``), and how many threads
+    seal and check a chunk (``seal.threads()``)."""
 
     pool: Any
     reads: chunked.ChunkedCalls
     writes: chunked.ChunkedCalls
+    threads: int
 
 
 def _chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:
@@ -498,12 +509,12 @@ def _sealed_set(
     chunk sealed while the one before is written; true if every chunk was."""
     pool = sealed.pool
     if args or kwargs:  # not the controller's call: one chunk
-        _seal_pages(pool, [_flat_page_parts(pool, value) for value in values], keys)
+        _seal_pages(sealed, [_flat_page_parts(pool, v) for v in values], keys)
         return write(keys, values, *args, **kwargs)
 
     def seal_chunk(start: int, end: int) -> None:
         parts = [_flat_page_parts(pool, value) for value in values[start:end]]
-        _seal_pages(pool, parts, keys[start:end])
+        _seal_pages(sealed, parts, keys[start:end])
 
     replies = sealed.writes.sealed_write(
         len(keys),
@@ -527,7 +538,7 @@ def _sealed_set_v1(
 
     def seal_chunk(start: int, end: int) -> None:
         pages = host_indices[start * page_size : end * page_size]
-        _seal_pages(pool, _host_page_parts(pool, pages), keys[start:end])
+        _seal_pages(sealed, _host_page_parts(pool, pages), keys[start:end])
 
     def write_chunk(start: int, end: int) -> list[bool]:
         pages = host_indices[start * page_size : end * page_size]
@@ -571,7 +582,7 @@ def _checked_get(
                 readable.append(n)
             except (RuntimeError, TypeError):  # not a contiguous CPU tensor
                 pass
-        ok = _pages_sealed(pool, parts, [keys[start + n] for n in readable])
+        ok = _pages_sealed(sealed, parts, [keys[start + n] for n in readable])
         unsealed = set(whole) - {n for n, o in zip(readable, ok, strict=True) if o}
         wrong: list[WrongPage] = [
             (start + n, keys[start + n], UNSEALED if n in unsealed else size, expected)
@@ -613,7 +624,7 @@ def _checked_get_v1(
         returned = _replied_before_a_miss(results, end - start, lambda hit: not hit)
         pages = host_indices[start * page_size : (start + returned) * page_size]
         ok = _pages_sealed(
-            pool, _host_page_parts(pool, pages), keys[start : start + returned]
+            sealed, _host_page_parts(pool, pages), keys[start : start + returned]
         )
         wrong: list[WrongPage] = [
             (start + n, keys[start + n], UNSEALED, expected)
