@@ -686,9 +686,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         not start at a page boundary. In numpy: a backend asks for every L3
         batch, and torch's per-op cost would be most of a one-page get."""
         starts = indices[:: self.page_size].cpu().numpy().astype(np.int64)
-        if (starts % self.page_size).any():
-            self._page_of(int(starts[np.flatnonzero(starts % self.page_size)[0]]))
-        return starts // self.page_size
+        pages, offsets = np.divmod(starts, self.page_size)
+        if offsets.any():
+            self._page_of(int(starts[offsets.nonzero()[0][0]]))
+        return pages
 
     def _page_addresses(self, indices) -> np.ndarray:
         """The host address of each page of ``indices`` (``page_numbers``)."""
