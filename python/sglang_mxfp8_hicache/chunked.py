@@ -5,10 +5,10 @@ A sealed page (``seal.py``) costs one xxh3 pass over its bytes: before a put,
 after a get. Made over the whole batch before or after the backend's one call,
 the pass adds its whole time to the batch's (half to two thirds of a local
 backend's read on the GPU hosts here). Split into chunks, the backend moves
-one chunk on a thread of its own while the caller seals the next (puts) or
-checks the one before (gets): the batch then costs the backend's time, one
-call more per chunk, and the pass over one chunk, its last (gets) or first
-(puts). That chunk is the smallest: a get's chunks shrink by half down to
+one chunk while a thread of ours seals the next (puts) or checks the one
+before (gets): the batch then costs the backend's time, one call more per
+chunk, and the pass over one chunk, its last (gets) or first (puts). That
+chunk is the smallest: a get's chunks shrink by half down to
 ``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES`` pages, a put's grow from it the same
 way, so a batch of ``n`` pages makes about ``log2(n / smallest)`` calls, and
 the pass keeps up with the backend while it is at least twice as fast (an
@@ -21,11 +21,12 @@ machine), and the overlap needs a core to spare beside the backend's
 threads. On the 2-core CI machine chunks did not make NIXL or hf3fs faster
 (``docs/benchmarks.md``); a host of many cores is where to try it.
 
-The backend's calls of one direction run in order on one thread per guarded
-backend, as SGLang runs them on its one prefetch or backup thread, and never
-two at once; a batch returns only once none of its calls is left running
-(a read past a bad page writes the prefetch's own host pages, which SGLang
-frees when the batch returns).
+The backend's calls stay on the caller's thread, SGLang's prefetch or backup
+thread, one after another, as SGLang makes them: a backend never meets a
+thread it did not come from (the tests' in-memory class, which allocates a
+``bytes`` a page, took 6-12x for chunked puts when its writes ran on a
+thread of ours). Only the passes run on the helper thread; a batch returns
+only once none of them is left running.
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def growing_chunk_bounds(pages: int, smallest: int) -> list[tuple[int, int]]:
 class ChunkedCalls:
     """One direction of a guarded backend's sealed batches (``"l3-read"``,
     ``"l3-write"``), in chunks of at least ``smallest`` pages (0: a batch is
-    one call, on the caller's thread): the backend's calls run in order on
-    this object's thread, the seal passes on the caller's."""
+    one call): the backend's calls run in order on the caller's thread, the
+    seal passes beside them on this object's thread."""
 
     def __init__(self, name: str, smallest: int) -> None:
         self.smallest = smallest
@@ -103,34 +104,35 @@ class ChunkedCalls:
         check: Callable[[int, int, _Reply], int],
     ) -> tuple[int, list[_Reply]]:
         """Reads a batch of ``pages`` chunk by chunk (``read(start, end)``),
-        each chunk's read issued behind the one before, and checks each
-        chunk's reply while the next is read (``check(start, end, reply)``:
-        the chunk's leading good pages, logging what it finds bad).
+        each chunk checked while the next is read (``check(start, end,
+        reply)``: the chunk's leading good pages, logging what it finds bad).
 
         Returns the batch's leading good pages and the replies of the chunks
-        read up to the first with a bad page; the chunks after it are not
-        read, or their reads are awaited and dropped."""
+        up to the first with a bad page; the chunk read while it was checked
+        is dropped, and none is read after it."""
         bounds = chunk_bounds(pages, self.smallest)
         if len(bounds) == 1:
             reply = read(0, pages)
             return check(0, pages, reply), [reply]
-        reads: list[Future[_Reply]] = [
-            self._thread.submit(read, start, end) for start, end in bounds
-        ]
-        good, replies = 0, []
+        replies: list[_Reply] = []
+        pending: tuple[int, int, Future[int]] | None = None  # the chunk in check
         try:
-            for (start, end), chunk_read in zip(bounds, reads, strict=True):
-                reply = chunk_read.result()
+            for start, end in bounds:
+                reply = read(start, end)
+                if pending is not None:
+                    checked_start, checked_end, checked = pending
+                    pending = None
+                    good = checked_start + checked.result()
+                    if good < checked_end:
+                        return good, replies
                 replies.append(reply)
-                chunk_good = check(start, end, reply)
-                good = start + chunk_good
-                if chunk_good < end - start:
-                    break
+                pending = (start, end, self._thread.submit(check, start, end, reply))
+            checked_start, _, checked = pending
+            pending = None
+            return checked_start + checked.result(), replies
         finally:
-            for chunk_read in reads:
-                chunk_read.cancel()
-            wait(reads)
-        return good, replies
+            if pending is not None:
+                wait([pending[2]])
 
     def sealed_write(
         self,
@@ -139,19 +141,22 @@ class ChunkedCalls:
         write: Callable[[int, int], _Reply],
     ) -> list[_Reply]:
         """Writes a batch of ``pages`` chunk by chunk, the smallest first
-        (:func:`growing_chunk_bounds`): ``seal(start, end)`` on the caller's
-        thread, then ``write(start, end)`` issued behind the chunk before,
-        while the caller seals the next. Returns each chunk's reply, once
-        every write is done; the first write that raised raises."""
+        (:func:`growing_chunk_bounds`): each chunk sealed (``seal(start,
+        end)``) before it is written (``write(start, end)``), the next sealed
+        while it is written. Returns each chunk's reply; a write or seal that
+        raises ends the batch with its exception once no pass is running."""
         bounds = growing_chunk_bounds(pages, self.smallest)
         if len(bounds) == 1:
             seal(0, pages)
             return [write(0, pages)]
-        writes: list[Future[_Reply]] = []
+        replies: list[_Reply] = []
+        sealed = self._thread.submit(seal, *bounds[0])
         try:
-            for start, end in bounds:
-                seal(start, end)
-                writes.append(self._thread.submit(write, start, end))
+            for n, (start, end) in enumerate(bounds):
+                sealed.result()
+                if n + 1 < len(bounds):
+                    sealed = self._thread.submit(seal, *bounds[n + 1])
+                replies.append(write(start, end))
         finally:
-            wait(writes)
-        return [chunk_write.result() for chunk_write in writes]
+            wait([sealed])
+        return replies

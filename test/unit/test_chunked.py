@@ -1,7 +1,7 @@
 """A sealed batch in chunks (``chunked.py``): the chunks cover the batch in
-order, the backend's calls run one at a time on their own thread while the
-caller's pass runs on the chunk beside, and a batch returns only once none of
-its calls is left running."""
+order, the backend's calls run one at a time on the caller's thread while a
+pass runs on the chunk beside on a thread of ours, and a batch returns only
+once none of its passes is left running."""
 
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def test_chunks_of_a_controller_batch():
 def test_each_chunk_is_checked_while_the_next_is_read():
     """Chunk 1's read waits until chunk 0's check has begun, and chunk 0's
     check until chunk 1's read has begun: only an overlap finishes. Reads run
-    in order, on one thread that is not the caller's."""
+    in order on the caller's thread, checks on one other thread."""
     calls = ChunkedCalls("test-read", SMALLEST)
     checking, reading = threading.Event(), threading.Event()
-    read_threads, reads = set(), []
+    read_threads, check_threads, reads = set(), set(), []
 
     def read(start, end):
         read_threads.add(threading.get_ident())
@@ -69,6 +69,7 @@ def test_each_chunk_is_checked_while_the_next_is_read():
         return list(range(start, end))
 
     def check(start, end, reply):
+        check_threads.add(threading.get_ident())
         assert reply == list(range(start, end))
         if start == 0:
             checking.set()
@@ -79,14 +80,14 @@ def test_each_chunk_is_checked_while_the_next_is_read():
     assert good == 20
     assert replies == [list(range(0, 10)), list(range(10, 15)), list(range(15, 20))]
     assert reads == [(0, 10), (10, 15), (15, 20)]
-    assert read_threads and threading.get_ident() not in read_threads
-    assert len(read_threads) == 1
+    assert read_threads == {threading.get_ident()}
+    assert len(check_threads) == 1 and threading.get_ident() not in check_threads
 
 
-def test_a_bad_chunk_ends_the_batch_once_its_reads_are_done():
-    """Chunk 0 has 7 good pages: the batch has 7, chunk 1's replies are
-    dropped, and the read in flight when chunk 0 was judged has finished
-    before the batch returns (it writes pages SGLang frees then)."""
+def test_a_bad_chunk_ends_the_batch():
+    """Chunk 0 has 7 good pages: the batch has 7, chunk 1, read while chunk 0
+    was checked, is dropped (it wrote pages SGLang frees when the batch
+    returns), and no chunk is read after it."""
     calls = ChunkedCalls("test-read", SMALLEST)
     finished = []
     started_second = threading.Event()
@@ -105,9 +106,8 @@ def test_a_bad_chunk_ends_the_batch_once_its_reads_are_done():
     good, replies = calls.read_checked(20, read, check)
     assert good == 7
     assert replies == [[True] * 10]
-    assert 10 in finished  # awaited, not left running
     time.sleep(0.05)
-    assert finished in ([0, 10], [0, 10, 15])  # nothing runs after the batch
+    assert finished == [0, 10]
 
 
 def test_a_small_batch_is_one_call_on_the_callers_thread():
@@ -124,11 +124,12 @@ def test_a_small_batch_is_one_call_on_the_callers_thread():
 
 def test_each_chunk_is_sealed_while_the_one_before_is_written():
     """A put's chunks grow (5, 5, 10): chunk 0's write waits until chunk 1's
-    seal has begun, so only an overlap finishes. Every write is done before
-    the batch returns, in order."""
+    seal has begun, so only an overlap finishes. Writes run in order on the
+    caller's thread, each chunk sealed before it is written."""
     calls = ChunkedCalls("test-write", SMALLEST)
     sealing_second = threading.Event()
     sealed, written = [], []
+    caller = threading.get_ident()
 
     def seal(start, end):
         sealed.append((start, end))
@@ -136,6 +137,7 @@ def test_each_chunk_is_sealed_while_the_one_before_is_written():
             sealing_second.set()
 
     def write(start, end):
+        assert threading.get_ident() == caller
         assert (start, end) in sealed, "a chunk was written before it was sealed"
         if start == 0:
             assert sealing_second.wait(WAIT_S), "chunk 1 was not sealed during a write"
@@ -148,20 +150,25 @@ def test_each_chunk_is_sealed_while_the_one_before_is_written():
     assert replies == [[True] * 5, [True] * 5, [True] * 10]
 
 
-def test_a_write_that_raises_raises_once_every_write_is_done():
+def test_a_write_that_raises_ends_the_batch():
+    """The first chunk's write raises: the batch raises it once the next
+    chunk's seal, begun beside it, is done; nothing more is written or sealed."""
     calls = ChunkedCalls("test-write", SMALLEST)
-    written = []
+    sealed, written = [], []
+
+    def seal(start, end):
+        time.sleep(0.05)
+        sealed.append(start)
 
     def write(start, end):
         if start == 0:
             raise ConnectionError("store unreachable")
-        time.sleep(0.05)
         written.append(start)
         return True
 
     with pytest.raises(ConnectionError, match="store unreachable"):
-        calls.sealed_write(20, lambda start, end: None, write)
-    assert written == [5, 10]
+        calls.sealed_write(20, seal, write)
+    assert sealed == [0, 5] and written == []
 
 
 def test_chunks_are_off_unless_asked(monkeypatch):
