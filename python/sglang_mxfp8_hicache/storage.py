@@ -214,9 +214,6 @@ def guard_storage_backend(
     # Read once, a bad value refused now.
     chunk_pages = chunked.smallest_chunk_pages() if sealed else 0
     seal_threads = seal.threads() if sealed else seal.DEFAULT_THREADS
-    settings = (
-        f"{seal.THREADS_ENV}={seal_threads}, {chunked.CHUNK_PAGES_ENV}={chunk_pages}"
-    )
     storage_config = releases.storage_config_with_tag(
         storage_config, pool.storage_format_tag
     )
@@ -237,7 +234,10 @@ def guard_storage_backend(
         backend_name,
         pool.describe_storage_page(),
         pool.storage_format_tag,
-        f" or seal ({settings})" if sealed else "",
+        f" or seal ({seal.THREADS_ENV}={seal_threads}, "
+        f"{chunked.CHUNK_PAGES_ENV}={chunk_pages})"
+        if sealed
+        else "",
     )
     if injector is None:
         return guarded
@@ -428,20 +428,23 @@ def _host_page_parts(pool: Any, host_indices: torch.Tensor) -> list[PageParts]:
     return [(rows[page, :k_span], rows[page, k_span:]) for page in pages]
 
 
-def _part_seeds(pool: Any, keys: Sequence[str]) -> list[int]:
-    """The seed of each part of the pages of ``keys``: both parts of a page
-    are sealed under its key."""
+def _seal_arguments(
+    sealed: SealedBatches, pages: Sequence[PageParts], keys: Sequence[str]
+) -> tuple[list[np.ndarray], list[int], int, int]:
+    """``seal.write_all``'s and ``hold_all``'s arguments for a batch's pages:
+    both parts of a page are sealed under its key."""
+    pool = sealed.pool
     tag = pool.storage_format_tag
-    return [seed for key in keys for seed in [seal.key_seed(tag, key)] * 2]
+    parts = [part for page in pages for part in page]
+    seeds = [seed for key in keys for seed in [seal.key_seed(tag, key)] * 2]
+    return parts, seeds, pool.host_page.seal_bytes, sealed.threads
 
 
 def _seal_pages(
     sealed: SealedBatches, pages: Sequence[PageParts], keys: Sequence[str]
 ) -> None:
     """Seals both parts of every page of a batch (``seal.write_all``)."""
-    parts = [part for page in pages for part in page]
-    seeds, seal_bytes = _part_seeds(sealed.pool, keys), sealed.pool.host_page.seal_bytes
-    seal.write_all(parts, seeds, seal_bytes, sealed.threads)
+    seal.write_all(*_seal_arguments(sealed, pages, keys))
 
 
 def _pages_sealed(
@@ -449,9 +452,7 @@ def _pages_sealed(
 ) -> list[bool]:
     """Whether both parts of each page carry the seal of their bytes under
     its key."""
-    parts = [part for page in pages for part in page]
-    seeds, seal_bytes = _part_seeds(sealed.pool, keys), sealed.pool.host_page.seal_bytes
-    held = seal.hold_all(parts, seeds, seal_bytes, sealed.threads)
+    held = seal.hold_all(*_seal_arguments(sealed, pages, keys))
     return [k and v for k, v in zip(held[::2], held[1::2], strict=True)]
 
 
