@@ -685,7 +685,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         pages, on any device); raises, naming the index, on a page that does
         not start at a page boundary. In numpy: a backend asks for every L3
         batch, and torch's per-op cost would be most of a one-page get."""
-        starts = indices[:: self.page_size].cpu().numpy().astype(np.int64)
+        starts = indices[:: self.page_size].cpu().numpy().astype(np.int64, copy=False)
         pages, offsets = np.divmod(starts, self.page_size)
         if offsets.any():
             self._page_of(int(starts[offsets.nonzero()[0][0]]))
@@ -698,12 +698,11 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
 
     def get_page_buffer_meta(self, indices):
         """Per page, the K part's then the V part's host pointer and size."""
-        page = self.host_page
-        k_ptr = self._page_addresses(indices)
-        pointers = np.empty(2 * len(k_ptr), dtype=np.int64)
-        pointers[0::2], pointers[1::2] = k_ptr, k_ptr + page.k_part.span_bytes
-        sizes = [page.k_part.span_bytes, page.v_part.span_bytes] * len(k_ptr)
-        return pointers.tolist(), sizes
+        k_part, v_part = self.host_page.k_part, self.host_page.v_part
+        pointers = np.add.outer(self._page_addresses(indices), (0, k_part.span_bytes))
+        return pointers.ravel().tolist(), [k_part.span_bytes, v_part.span_bytes] * len(
+            pointers
+        )
 
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
         # The one allocation covers every span a zero-copy backend reads.

@@ -1,17 +1,17 @@
 """L3 put and get of MXFP8 pages against the same model's payload-only pages.
 
 Does an MXFP8 page cost more on L3 than its extra bytes? Both pools run side
-by side in one process, each with its own backend opened as the cache
-controller attaches one (:class:`~.l3.StoragePageIO`, our factory hook
-included; Mooncake's two backends share one client), pages moving through the
-controller's own page functions in its batches: ``mxfp8``, our host pool over
-SGLang's MXFP8 device pool, and ``payload``, SGLang's ``MHATokenToKVPoolHost``
-given the same pool's payload alone (``pools.PayloadOnlyHost``: the floor).
-Puts and gets are timed by wall clock, as the storage threads spend it; per
-batch size one warm-up, then the median of ``reps``, the pools alternating
-which goes first. Every put has fresh keys, what a rep stored is removed
-before the next, gets land in other (poisoned) host pages, and the last rep's
-are compared byte for byte: a mismatch fails the run.
+by side in one process, each with a backend opened as the cache controller
+attaches one (:class:`~.l3.StoragePageIO`, our factory hook included;
+Mooncake's two share one client), pages moving through the controller's own
+page functions in its batches: ``mxfp8``, our host pool over SGLang's MXFP8
+device pool, and ``payload``, SGLang's ``MHATokenToKVPoolHost`` given that
+pool's payload alone (``pools.PayloadOnlyHost``: the floor). Wall clock, as
+the storage threads spend it; per batch size one warm-up, then the median of
+``reps`` (more for small batches, ``results.l3_reps``), the pools taking
+turns to go first. Every put has fresh keys, what a rep stored is removed
+before the next, gets land in other (poisoned) host pages, and the last
+rep's are compared byte for byte: a mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from sglang_mxfp8_hicache.tools.results import (
     L3_WARMUP,
     Cell,
     Report,
+    l3_reps,
 )
 
 SEGMENT_HEADROOM = 1.3
@@ -116,12 +117,10 @@ def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
 def _remove(
     io: StoragePageIO, hashes: list[str], host_indices: torch.Tensor, *, strict: bool
 ) -> None:
-    """Removes what ``backup(hashes, ...)`` stored and nothing else: a directory
-    or a Mooncake store may be shared. Mooncake's removes are forced, since a
-    get leaves a lease (10 s by default) during which a plain remove fails.
-    ``strict``: raise if Mooncake keeps an object (not after a failed put).
-    A ``dynamic`` class keeps what it was given: SGLang's interface has no
-    remove of a key (give it a store of its own)."""
+    """Removes what ``backup(hashes, ...)`` stored and nothing else (a store may
+    be shared); Mooncake's removes are forced, a get leaving a 10 s lease, and
+    ``strict`` raises if it keeps one. A ``dynamic`` class keeps what it was
+    given: SGLang's interface has no remove (give it a store of its own)."""
     backend = storage.sglang_backend(io.storage_backend)
     if io.backend_name == "dynamic":
         return
@@ -226,9 +225,8 @@ def measure(
     seed: int = 0,
     progress: Callable[[], None] = lambda: None,
 ) -> list[Cell]:
-    """Times put and get of every batch size on both pools (``ios`` keyed by
-    :data:`L3_POOLS`; their host pools of equal page count, at least twice the
-    largest batch). Raises :class:`L3BenchError` if L3 loses or changes a page."""
+    """Put and get times of each batch size on both pools (host pools of twice
+    the largest batch); :class:`L3BenchError` if L3 loses or changes a page."""
     pools = {name: io.storage_host_pool for name, io in ios.items()}
     page_num = min(p.page_num for p in pools.values())
     if 2 * max(pages_list) > page_num:
@@ -241,12 +239,13 @@ def measure(
         perm = torch.randperm(page_num, generator=gen)
         put_pages, get_pages = perm[:pages], perm[pages : 2 * pages]
         seconds = {d: {name: [] for name in L3_POOLS} for d in L3_DIRECTIONS}
-        for rep in range(warmup + reps):
+        rounds = warmup + l3_reps(pages, reps)
+        for rep in range(rounds):
             # Fresh keys: a backend skips the put of a key it holds.
             tokens = torch.randint(0, 1 << 30, (pages * PAGE_SIZE,), generator=gen)
             hashes = page_hashes(tokens.tolist(), PAGE_SIZE)
             order = L3_POOLS[rep % 2 :] + L3_POOLS[: rep % 2]
-            last = rep == warmup + reps - 1
+            last = rep == rounds - 1
             took = _one_rep(ios, order, hashes, put_pages, get_pages, verify=last)
             for d in L3_DIRECTIONS:
                 for name in L3_POOLS if rep >= warmup else ():
@@ -385,7 +384,8 @@ def run(
         ios, store = _open_all(stack, backend, pools, max_pages, l3_dir, l3_config)
         from tqdm import tqdm  # SGLang's dependency
 
-        bar = tqdm(total=len(pages_list) * (warmup + reps), desc="bench --l3")
+        rounds = sum(warmup + l3_reps(pages, reps) for pages in pages_list)
+        bar = tqdm(total=rounds, desc="bench --l3")
         stack.callback(bar.close)
         cells = measure(ios, pages_list, reps=reps, warmup=warmup, progress=bar.update)
         return Report(
@@ -427,8 +427,8 @@ def describe(report: Report) -> str:
         f"L3 {report.backend} ({report.store}), {'x'.join(map(str, report.geometry))} "
         f"(heads x head_dim x layers), page_size {PAGE_SIZE}: MXFP8 page "
         f"{pb['mxfp8']} B, payload-only {pb['payload']} B; key tag "
-        f"{report.format_tag}; median of {report.reps} reps after {report.warmup} "
-        "warm-up, wall clock; the last rep's gets compared byte for byte; "
-        f"{report.meta.get('device') or 'no GPU'}, "
+        f"{report.format_tag}; median of {report.reps} reps (more under 16 pages) "
+        f"after {report.warmup} warm-up, wall clock; the last rep's gets compared "
+        f"byte for byte; {report.meta.get('device') or 'no GPU'}, "
         f"sglang {report.meta.get('sglang_version')}"
     )

@@ -3,12 +3,9 @@
 ``open`` does what ``HiCacheController.attach_storage_backend`` does: the
 storage config keyed by the release's ``storage_model_name`` (so the pool's
 ``storage_format_tag`` is in every key), ``StorageBackendFactory.create_backend``
-and ``register_mem_pool_host``. The page moves are the controller's own
-functions, called unbound on this object: ``_generic_page_set/_get`` for
-``file`` and generic ``dynamic``, ``_page_set/_get_zero_copy`` for
-``mooncake`` and ``dynamic`` with ``interface_v1`` (its choice at
-``cache_controller.py:645-667``). What is left out is the queues and threads
-around them.
+and ``register_mem_pool_host``. Pages move through the controller's own
+functions, unbound on this object, generic or zero-copy as it chooses
+(``cache_controller.py:645-667``); its queues and threads are left out.
 """
 
 from __future__ import annotations
@@ -70,13 +67,11 @@ def local_backend(
     ``root``, an existing directory:
 
     * ``file``: SGLang's ``HiCacheFile`` in ``root``;
-    * ``hf3fs``: SGLang's ``HiCacheHF3FS`` with its own mock of the 3FS usrbio
-      client (a sparse file of ``size_bytes``, pread/pwrite at fixed slots) and
-      in-process metadata (``hf3fs``: more of its config, e.g. the
-      ``metadata_server_url`` of SGLang's server); the real client needs 3FS;
-    * ``nixl``: SGLang's ``HiCacheNixl`` with a NIXL agent and its POSIX file
-      plugin, buffered (a page part of ours is not a 4 KiB multiple, which
-      O_DIRECT needs), without the cleaner thread that deletes old files.
+    * ``hf3fs``: SGLang's ``HiCacheHF3FS``, its mock 3FS client (a sparse file
+      of ``size_bytes``, fixed slots) and in-process metadata (``hf3fs``: more
+      config, e.g. ``metadata_server_url``); the real client needs 3FS;
+    * ``nixl``: SGLang's ``HiCacheNixl``, NIXL's POSIX file plugin buffered (a
+      part of ours is no 4 KiB multiple), without its cleaner thread.
     """
     if backend == "file":
         return BackendConfig({"file_storage_path": root}, {FILE_DIR_ENV: None})

@@ -202,6 +202,12 @@ L3_SMALL_BATCH_GOAL_RATIO = 1.2
 L3_GOAL_FROM_PAGES pages up, L3_SMALL_BATCH_GOAL_RATIO x below."""
 
 
+def l3_reps(pages: int, reps: int) -> int:
+    """Timed rounds of a batch of ``pages``: under ``L3_GOAL_FROM_PAGES``, as many
+    as move that many pages ``reps`` times (a store's speed varies by object)."""
+    return max(reps, -(-reps * L3_GOAL_FROM_PAGES // pages))
+
+
 class Cell(msgspec.Struct):
     """One batch size: seconds of every timed repetition, per direction and pool."""
 
