@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -55,15 +56,17 @@ class DictStore(HiCacheStorage):
         data = self._stored(key)
         if data is None:
             return None
-        stored = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        target = target_location.view(torch.uint8)
+        # Copied straight from the stored bytes: a page's worth allocated per
+        # read would time this process's allocator, not the pools.
+        stored = np.frombuffer(data, dtype=np.uint8)
+        target = target_location.view(torch.uint8).numpy()
         if "fill" in FAULTS:
-            n = min(len(data), target.numel())
+            n = min(len(data), len(target))
             target[:n] = stored[:n]
             return target_location
-        if len(data) != target.numel():
-            return stored
-        target.copy_(stored)
+        if len(data) != len(target):
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        target[:] = stored
         return target_location
 
     def batch_get(self, keys, target_locations=None, target_sizes=None):
@@ -113,9 +116,12 @@ class DictStoreV1(DictStore):
         for key, parts in zip(keys, self._parts(host_indices), strict=True):
             data = self._stored(key)
             hits.append(data is not None)
-            offset = 0
+            offset, address = (
+                0,
+                np.frombuffer(data, np.uint8).ctypes.data if data else 0,
+            )
             for pointer, size in parts if data is not None else ():
                 n = max(0, min(size, len(data) - offset))
-                ctypes.memmove(pointer, data[offset : offset + n], n)
+                ctypes.memmove(pointer, address + offset, n)
                 offset += n
         return hits
