@@ -5,7 +5,7 @@
         [--l3-config JSON] [--no-seal]
 
 Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
-side, median of 5 reps) once per local backend, seal thread count
+side, median of 5 reps, more under 16 pages) once per local backend, seal thread count
 (``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) and smallest chunk of a sealed batch
 (``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``; 0: one call) in one process, and
 times, inside the
