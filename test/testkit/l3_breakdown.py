@@ -5,11 +5,11 @@
         [--l3-config JSON] [--no-seal]
 
 Runs ``bench --l3`` (``tools/bench_l3.run``: ours and payload-only side by
-side, median of 5 reps, more under 16 pages) once per local backend, seal thread count
-(``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) and smallest chunk of a sealed batch
-(``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``; 0: one call) in one process, and
-times, inside the
-same runs, what ours does that payload-only does not: ``seal.write_all`` on
+side, median of 5 reps, more under 16 pages) once per local backend, seal
+thread count (``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) and smallest chunk of a
+sealed batch (``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``; 0: one call) in one
+process, and times, inside the same runs, what ours does that payload-only
+does not: ``seal.write_all`` on
 puts, ``seal.hold_all`` on gets (the xxh3 passes), and the rest of the
 guard's own work (the whole guarded call less the backend's calls and the
 seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS-cCHUNK.json``
