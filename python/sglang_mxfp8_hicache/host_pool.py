@@ -700,9 +700,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         """Per page, the K part's then the V part's host pointer and size."""
         k_part, v_part = self.host_page.k_part, self.host_page.v_part
         pointers = np.add.outer(self._page_addresses(indices), (0, k_part.span_bytes))
-        return pointers.ravel().tolist(), [k_part.span_bytes, v_part.span_bytes] * len(
-            pointers
-        )
+        sizes = [k_part.span_bytes, v_part.span_bytes] * len(pointers)
+        return pointers.ravel().tolist(), sizes
 
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
         # The one allocation covers every span a zero-copy backend reads.
