@@ -41,3 +41,14 @@ def test_seal_threads_refuses_a_bad_value(monkeypatch, value):
     monkeypatch.setenv(seal.THREADS_ENV, value)
     with pytest.raises(BlockScaledHiCacheConfigError, match=seal.THREADS_ENV):
         seal.threads()
+
+
+@pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 2), (16, 4)])
+def test_seal_threads_default_to_four_or_the_cores(monkeypatch, cores, expected):
+    """Unset, the variable gives 4 threads, or as many as the process's cores
+    if fewer; set, it is taken as given."""
+    monkeypatch.delenv(seal.THREADS_ENV, raising=False)
+    monkeypatch.setattr(seal.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert seal.threads() == expected
+    monkeypatch.setenv(seal.THREADS_ENV, "8")
+    assert seal.threads() == 8
