@@ -116,10 +116,8 @@ class DictStoreV1(DictStore):
         for key, parts in zip(keys, self._parts(host_indices), strict=True):
             data = self._stored(key)
             hits.append(data is not None)
-            offset, address = (
-                0,
-                np.frombuffer(data, np.uint8).ctypes.data if data else 0,
-            )
+            address = np.frombuffer(data, np.uint8).ctypes.data if data else 0
+            offset = 0
             for pointer, size in parts if data is not None else ():
                 n = max(0, min(size, len(data) - offset))
                 ctypes.memmove(pointer, address + offset, n)
