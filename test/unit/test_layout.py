@@ -104,9 +104,10 @@ def test_readme_install_works_from_any_clone_and_as_root():
     assert "## Commands" in readme and "about 30 minutes on 2" in readme
 
 
-def test_l3_table_is_the_committed_runs():
-    """Each row of the L3 table in docs/benchmarks.md is its committed JSON:
-    every ratio, bold where it meets its goal, and the cells met."""
+def test_l3_tables_are_the_committed_runs():
+    """Each row of the L3 tables in docs/benchmarks.md (the CI machine's, then
+    the GPU host's) is its committed JSON: every ratio, bold where it meets
+    its goal, and the cells met."""
     import re
 
     import msgspec
@@ -115,24 +116,36 @@ def test_l3_table_is_the_committed_runs():
 
     root = PACKAGE.parent.parent
     doc = (root / "docs" / "benchmarks.md").read_text()
-    section = doc.split("**L3, every served backend**")[1]
-    [table] = [b for b in section.split("\n\n") if b.startswith("| backend")][:1]
-    rows = [line for line in table.splitlines() if line.startswith("| `")]
-    assert len(rows) == 11
-    for row in rows:
-        label, *cells, met = [c.strip() for c in row.strip("|").split("|")]
-        backend = re.match(r"`(\w+)`", label).group(1)
-        name = f"{backend}-chunks4" if "chunks" in label else backend
-        data = (root / "docs" / "data" / f"bench-l3-{name}-cpu.json").read_bytes()
-        report = msgspec.json.decode(data, type=Report)
-        assert [c.pages for c in report.cells] == [1, 4, 16, 64, 256]
-        expected = [
-            " / ".join(
-                f"**{c.ratio(d):.2f}**" if c.ratio(d) <= c.goal else f"{c.ratio(d):.2f}"
-                for d in L3_DIRECTIONS
-            )
-            for c in report.cells
-        ]
-        assert cells == expected, label
-        held = sum(len(L3_DIRECTIONS) - len(c.missed()) for c in report.cells)
-        assert met == f"{held}/10", label
+    section = doc.split("**L3, every served backend**")[1].split("\n## ")[0]
+    cpu, gpu = [b for b in section.split("\n\n") if b.startswith("| backend")]
+
+    def cpu_json(label: str, backend: str) -> str:
+        return f"{backend}-chunks4-cpu" if "chunks" in label else f"{backend}-cpu"
+
+    def gpu_json(label: str, backend: str) -> str:
+        threads = re.search(r", (\d)", label)
+        chunks = "-c4" if "chunks" in label else ""
+        return f"{backend}-t{threads.group(1) if threads else 1}{chunks}-h100"
+
+    for table, json_name, count in ((cpu, cpu_json, 11), (gpu, gpu_json, 8)):
+        rows = [line for line in table.splitlines() if line.startswith("| `")]
+        assert len(rows) == count
+        for row in rows:
+            label, *cells, met = [c.strip() for c in row.strip("|").split("|")]
+            backend = re.match(r"`(\w+)`", label).group(1)
+            name = json_name(label, backend)
+            data = (root / "docs" / "data" / f"bench-l3-{name}.json").read_bytes()
+            report = msgspec.json.decode(data, type=Report)
+            assert [c.pages for c in report.cells] == [1, 4, 16, 64, 256]
+            expected = [
+                " / ".join(
+                    f"**{c.ratio(d):.2f}**"
+                    if c.ratio(d) <= c.goal
+                    else f"{c.ratio(d):.2f}"
+                    for d in L3_DIRECTIONS
+                )
+                for c in report.cells
+            ]
+            assert cells == expected, label
+            held = sum(len(L3_DIRECTIONS) - len(c.missed()) for c in report.cells)
+            assert met == f"{held}/10", label
