@@ -37,7 +37,6 @@ Contracts a caller relies on:
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,21 +90,6 @@ def configured_io_backend() -> str | None:
         return get_memory().hicache_io_backend
     except (ValueError, AttributeError):
         return None
-
-
-def configured_storage_extra_config() -> dict | None:
-    """``--hicache-storage-backend-extra-config`` of the running server (``{}``
-    if not given), or None outside a server."""
-    from sglang.srt.runtime_context import get_memory
-
-    try:
-        text = get_memory().hicache_storage_backend_extra_config
-    except (ValueError, AttributeError):
-        return None
-    try:
-        return json.loads(text) if text else {}
-    except ValueError:
-        return None  # SGLang's own parser reports it
 
 
 def decode_host_receive() -> bool:
@@ -284,7 +268,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         self.storage_format_tag = self.host_page.storage_format_tag()
         page = self.host_page
         scale_bytes = self.size * page.scale_bytes_per_token
-        seal_bytes = self.page_num * 2 * page.seal_bytes
+        seal_bytes = self.page_num * page.seal_bytes
         logger.info(
             "%s: %s HiCache host pool: --hicache-mem-layout %s and "
             "--hicache-io-backend %s are served by one owned %s page, %s; "
@@ -345,7 +329,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             mem_layout=layout,
             io_backend=configured_io_backend() or "kernel",
             storage_backend=allocator_type,
-            storage_extra_config=configured_storage_extra_config(),
             decode_host_receive=decode_host_receive(),
             device_kernels=releases.hicache_device_kernels(current_platform),
         )
@@ -411,12 +394,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                     )
         return flags, shape, page
 
-    def refusal_with_storage(self, backend: str, extra_config: dict) -> Refused | None:
+    def refusal_with_storage(self, backend: str) -> Refused | None:
         """The plan's first refusal of this pool's flags with L3 ``backend``
         (at startup, or attached at run time), or None."""
-        flags = dataclasses.replace(
-            self.flags, storage_backend=backend, storage_extra_config=extra_config
-        )
+        flags = dataclasses.replace(self.flags, storage_backend=backend)
         return refusal(flags, self.page_shape)
 
     def get_size_per_token(self) -> int:

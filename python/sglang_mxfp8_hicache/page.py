@@ -18,11 +18,14 @@ chunk between a device page number times the run's bytes and a host page
 number times ``span_bytes``, whatever the format: the host page never needs to
 know what a scale byte means, and neither does an L3 backend.
 
-Each part of a layer-major page ends in a seal of ``seal_bytes(page_size)``
-bytes (``seal.py``): no device transfer touches it; an L3 backend that cannot
-report what it stored has it written when a page goes to L3 and checked when
-it comes back, so a short, long, stale or foreign object under our key is a
-miss. A heads-major page has none (below).
+Each part of a layer-major page ends in its seal area (``seal_bytes``): the
+bytes that make the part a whole number of ``PART_ALIGN`` (4 KiB) blocks, at
+least ``SEAL_CONTENT_BYTES`` of them, the seal itself last (``seal.py``). No
+device transfer touches it. An L3 backend that cannot report what it stored
+has the seal written when a page goes to L3 and checked when it comes back,
+so a short, long, stale or foreign object under our key is a miss. Whole
+blocks let backends that move parts with O_DIRECT (NIXL's default) move them
+in place. A heads-major page has none (below).
 
 ``--hicache-mem-layout page_head`` asks for a heads-major page, so that an L3
 object can hold a group of heads and ranks of another TP size can share it
@@ -42,24 +45,31 @@ This module imports no CUDA code.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
 from sglang_mxfp8_hicache.geometry import ScaleFormat, ScaleGeometry
 
-STORAGE_FORMAT_VERSION = 3
+STORAGE_FORMAT_VERSION = 4
 """Bumped whenever the bytes of a stored page change meaning; it is in the keys.
 Version 1 kept the scales of a page apart from its payload; version 2 had no
-seals."""
+seals; version 3 had seals of one page_size multiple, parts not in 4 KiB blocks."""
 
 SEAL_CONTENT_BYTES = 24
 """What a seal holds (``seal.py``): a magic word, the key's seed, the digest."""
 
+PART_ALIGN = 4096
+"""A layer-major part is a whole number of these: O_DIRECT's unit (an OS
+page), which NIXL's file plugin needs of every buffer and length it moves."""
 
-def seal_bytes(page_size: int) -> int:
-    """Bytes of each part's seal: the least multiple of ``page_size`` that
-    holds one, so a page stays a whole number of bytes per token."""
-    return -(-SEAL_CONTENT_BYTES // page_size) * page_size
+
+def seal_bytes(body_bytes: int, page_size: int) -> int:
+    """Bytes of the seal area after a part's ``body_bytes`` of layers: room
+    for a seal, up to the next whole ``PART_ALIGN`` block that is also a
+    multiple of ``page_size`` (so a page stays whole bytes per token)."""
+    unit = math.lcm(PART_ALIGN, page_size)
+    return -(-(body_bytes + SEAL_CONTENT_BYTES) // unit) * unit - body_bytes
 
 
 PARTS = ("k_payload", "k_scales", "v_payload", "v_scales")
@@ -163,28 +173,25 @@ class HostPage:
     def page_size(self) -> int:
         return self.k.page_size
 
-    @property
-    def seal_bytes(self) -> int:
-        """Bytes of each part's seal; none on a heads-major page."""
-        return 0 if self.heads_major else seal_bytes(self.page_size)
+    def _part(self, side: ScaleGeometry) -> PagePart:
+        part = PagePart(side.payload_page_bytes, side.page_bytes, self.layer_num)
+        if self.heads_major:  # no seal (module docstring)
+            return part
+        seal = seal_bytes(part.span_bytes, self.page_size)
+        return PagePart(part.payload_bytes, part.scale_bytes, self.layer_num, seal)
 
     @cached_property
     def k_part(self) -> PagePart:
-        return PagePart(
-            self.k.payload_page_bytes,
-            self.k.page_bytes,
-            self.layer_num,
-            self.seal_bytes,
-        )
+        return self._part(self.k)
 
     @cached_property
     def v_part(self) -> PagePart:
-        return PagePart(
-            self.v.payload_page_bytes,
-            self.v.page_bytes,
-            self.layer_num,
-            self.seal_bytes,
-        )
+        return self._part(self.v)
+
+    @property
+    def seal_bytes(self) -> int:
+        """Bytes of both parts' seal areas; none on a heads-major page."""
+        return self.k_part.seal_bytes + self.v_part.seal_bytes
 
     @cached_property
     def span_bytes(self) -> int:
@@ -325,7 +332,12 @@ class HostPage:
                 if k == v
                 else f" for K, [payload {v.payload_bytes} B | scales {v.scale_bytes} B] for V"
             )
-            + (f", then a {self.seal_bytes} B seal" if self.seal_bytes else "")
+            + (
+                f", then a seal area ({self.k_part.seal_bytes} B for K, "
+                f"{self.v_part.seal_bytes} B for V: parts of whole 4 KiB blocks)"
+                if self.seal_bytes
+                else ""
+            )
         )
 
     def storage_format_tag(self) -> str:

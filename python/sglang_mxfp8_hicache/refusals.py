@@ -22,7 +22,6 @@ the same first refusal:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +50,6 @@ class HiCacheFlags:
     io_backend: str = "kernel"
     storage_backend: str | None = None
     """``--hicache-storage-backend``, or None (also SGLang's "default")."""
-    storage_extra_config: dict[str, Any] | None = None
     decode_host_receive: bool = False
     device_kernels: bool = True
     """Whether the platform runs SGLang's JIT HiCache kernels (CUDA, ROCm)."""
@@ -59,12 +57,6 @@ class HiCacheFlags:
     @classmethod
     def from_server_args(cls, args: Any) -> HiCacheFlags:
         """From a resolved ``ServerArgs`` (or its resolving view)."""
-        extra_config = args.hicache_storage_backend_extra_config
-        if not isinstance(extra_config, dict):
-            try:
-                extra_config = json.loads(extra_config) if extra_config else {}
-            except (TypeError, ValueError):
-                extra_config = None  # SGLang's own parser reports it
         threshold = args.disaggregation_decode_host_receive_threshold
         return cls(
             kv_cache_dtype=args.kv_cache_dtype,
@@ -72,7 +64,6 @@ class HiCacheFlags:
             mem_layout=args.hicache_mem_layout,
             io_backend=args.hicache_io_backend or "kernel",
             storage_backend=args.hicache_storage_backend,
-            storage_extra_config=extra_config,
             decode_host_receive=releases.decode_host_receive(threshold),
         )
 
@@ -116,7 +107,6 @@ def _storage_reason(flags: HiCacheFlags, shape: PageShape | None) -> str | None:
         flags.kv_cache_dtype,
         sealed=flags.mem_layout != HEADS_MAJOR_LAYOUT,
         symmetric=shape is None or shape.head_dim == shape.v_head_dim,
-        extra_config=flags.storage_extra_config,
     )
 
 

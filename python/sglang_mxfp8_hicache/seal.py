@@ -6,15 +6,16 @@ miss, and may have copied a shorter, longer, stale or foreign object into the
 page. For those, each part's seal is written when a page goes to L3 and
 checked when it comes back, and a part whose seal does not match is a miss.
 
-A seal is 24 bytes at the start of the part's last ``page.seal_bytes``:
+A seal is the last 24 bytes of the part (its seal area, ``page.seal_bytes``,
+ends in it):
 
     magic b"MXHCSEAL" | seed (8 B, little endian) | digest (8 B, little endian)
 
 ``seed`` is xxh3-64 of the pool's format tag and the page's key, so an object
 stored under another key, or by a pool of another format, does not match;
 ``digest`` is xxh3-64 of every byte of the part before its seal, with that
-seed. The rest of the seal is neither written nor checked: it never reaches
-a device page. SGLang already depends on ``xxhash``.
+seed: the layers and the rest of the seal area, which no device transfer
+touches but which travels with the page. SGLang already depends on ``xxhash``.
 
 The storage guard seals and checks a batch chunk by chunk, beside the
 backend's own I/O (``chunked.py``); a chunk's parts go to
@@ -52,21 +53,19 @@ def key_seed(tag: str, key: str) -> int:
     return xxhash.xxh3_64_intdigest(f"{tag}/{key}".encode())
 
 
-def _content(seed: int, part: np.ndarray, seal_bytes: int) -> bytes:
-    digest = xxhash.xxh3_64_intdigest(part[:-seal_bytes], seed=seed)
+def _content(seed: int, part: np.ndarray) -> bytes:
+    digest = xxhash.xxh3_64_intdigest(part[:-SEAL_CONTENT_BYTES], seed=seed)
     return MAGIC + seed.to_bytes(8, "little") + digest.to_bytes(8, "little")
 
 
-def write(part: np.ndarray, seal_bytes: int, seed: int) -> None:
+def write(part: np.ndarray, seed: int) -> None:
     """Seals ``part`` (one K or V part of a page, uint8, its seal last)."""
-    end = len(part) - seal_bytes + SEAL_CONTENT_BYTES
-    part[-seal_bytes:end] = np.frombuffer(_content(seed, part, seal_bytes), np.uint8)
+    part[-SEAL_CONTENT_BYTES:] = np.frombuffer(_content(seed, part), np.uint8)
 
 
-def holds(part: np.ndarray, seal_bytes: int, seed: int) -> bool:
+def holds(part: np.ndarray, seed: int) -> bool:
     """Whether ``part`` carries the seal its bytes and ``seed`` make."""
-    end = len(part) - seal_bytes + SEAL_CONTENT_BYTES
-    return part[-seal_bytes:end].tobytes() == _content(seed, part, seal_bytes)
+    return part[-SEAL_CONTENT_BYTES:].tobytes() == _content(seed, part)
 
 
 def threads() -> int:
@@ -116,27 +115,17 @@ def _each(
 def write_all(
     parts: Sequence[np.ndarray],
     seeds: Sequence[int],
-    seal_bytes: int,
     pool_threads: int = DEFAULT_THREADS,
 ) -> None:
     """Seals every part with its seed (``write``), on ``pool_threads``
     threads (a pool's ``threads()``, read once when its guard is built)."""
-
-    def seal_one(part: np.ndarray, seed: int) -> None:
-        write(part, seal_bytes, seed)
-
-    _each(seal_one, parts, seeds, pool_threads)
+    _each(write, parts, seeds, pool_threads)
 
 
 def hold_all(
     parts: Sequence[np.ndarray],
     seeds: Sequence[int],
-    seal_bytes: int,
     pool_threads: int = DEFAULT_THREADS,
 ) -> list[bool]:
     """Whether each part carries its seal (``holds``), on ``pool_threads``."""
-
-    def check_one(part: np.ndarray, seed: int) -> bool:
-        return holds(part, seal_bytes, seed)
-
-    return _each(check_one, parts, seeds, pool_threads)
+    return _each(holds, parts, seeds, pool_threads)

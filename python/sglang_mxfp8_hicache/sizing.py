@@ -335,7 +335,7 @@ def host_plan(
         page = plan_page(flags, shape)  # the pool's own page
         if isinstance(page, Refused):
             raise SizingError(f"{pool.name} pool: {page.reason}")
-        seals = 2 * page.seal_bytes // page_size
+        seals = page.seal_bytes // page_size
         scales = page.scale_bytes_per_token
         per_token.append((page.bytes_per_token - scales - seals, scales, seals))
     # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.

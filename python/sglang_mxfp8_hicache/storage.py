@@ -120,34 +120,15 @@ KEY_PREFIXED_BACKENDS = ("dynamic", "hf3fs")
 SGLang's model name, which carries the tag, in every key."""
 
 
-def nixl_direct_io(extra_config: dict | None) -> bool:
-    """Whether NIXL opens its files with O_DIRECT: SGLang's own reading of
-    ``use_direct_io`` in the extra config, else ``SGLANG_HICACHE_NIXL_USE_DIRECT_IO``."""
-    from sglang.srt.mem_cache.storage.nixl.nixl_utils import NixlBackendConfig
-
-    return NixlBackendConfig(extra_config or {}).get_use_direct_io()
-
-
 def storage_refusal(
     backend: str,
     fmt_name: str = "mxfp8",
     *,
     sealed: bool = True,
     symmetric: bool = True,
-    extra_config: dict | None = None,
 ) -> str | None:
     """Why ``backend`` cannot carry ``fmt_name`` pages (with seals if
-    ``sealed``; K and V parts of one size if ``symmetric``; configured by
-    ``extra_config``, where None means not known: NIXL's O_DIRECT is then not
-    judged), or None if it can."""
-    if backend == "nixl" and extra_config is not None and nixl_direct_io(extra_config):
-        return (
-            f"--hicache-storage-backend nixl cannot store {fmt_name} pages with "
-            "O_DIRECT: it moves whole page parts, and a part of these pages (its "
-            'seal included) is not a multiple of 4 KiB. Set "use_direct_io": '
-            "false in --hicache-storage-backend-extra-config (or "
-            "SGLANG_HICACHE_NIXL_USE_DIRECT_IO=0)."
-        )
+    ``sealed``; K and V parts of one size if ``symmetric``), or None if it can."""
     if backend == "hf3fs" and not symmetric:
         return (
             f"--hicache-storage-backend hf3fs cannot store {fmt_name} pages whose K "
@@ -207,7 +188,7 @@ def guard_storage_backend(
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
     name = pool.host_page.fmt.name
-    refused = pool.refusal_with_storage(backend_name, storage_config.extra_config or {})
+    refused = pool.refusal_with_storage(backend_name)
     if refused is not None:
         raise refused.error(name, pool.pool_label)
     sealed = backend_name in SEALED_BACKENDS
@@ -430,14 +411,14 @@ def _host_page_parts(pool: Any, host_indices: torch.Tensor) -> list[PageParts]:
 
 def _seal_arguments(
     sealed: SealedBatches, pages: Sequence[PageParts], keys: Sequence[str]
-) -> tuple[list[np.ndarray], list[int], int, int]:
+) -> tuple[list[np.ndarray], list[int], int]:
     """``seal.write_all``'s and ``hold_all``'s arguments for a batch's pages:
     both parts of a page are sealed under its key."""
     pool = sealed.pool
     tag = pool.storage_format_tag
     parts = [part for page in pages for part in page]
     seeds = [seed for key in keys for seed in [seal.key_seed(tag, key)] * 2]
-    return parts, seeds, pool.host_page.seal_bytes, sealed.threads
+    return parts, seeds, sealed.threads
 
 
 def _seal_pages(

@@ -74,7 +74,7 @@ def _assert_l3_exact(v: dict, backend: str) -> None:
     assert l3.payload_restored and l3.scales_restored, l3
     assert l3.dequantized_max_diff == 0.0, l3
     assert l3.untouched_pages_kept, l3
-    assert l3.format_tag.startswith("mxfp8v3-l4h8d128p128"), l3
+    assert l3.format_tag.startswith("mxfp8v4-l4h8d128p128"), l3
 
 
 @pytest.mark.parametrize("backend", ["file", "hf3fs", "nixl"])

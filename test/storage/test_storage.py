@@ -36,7 +36,7 @@ from sglang_mxfp8_hicache.host_pool import (
     BlockScaledHiCacheConfigError,
     MHATokenToKVPoolMXFP8Host,
 )
-from sglang_mxfp8_hicache.page import STORAGE_FORMAT_VERSION, PagePart
+from sglang_mxfp8_hicache.page import PART_ALIGN, STORAGE_FORMAT_VERSION, PagePart
 from sglang_mxfp8_hicache.tools.l3 import (
     LOCAL_BACKENDS,
     StoragePageIO,
@@ -212,7 +212,7 @@ def test_flat_page_is_the_zero_copy_parts_concatenated(make_pools):
     assert (
         page.k_part
         == page.v_part
-        == PagePart(PAGE_SIZE * 8 * 128, 8 * 4 * PAGE_SIZE, 3, seal_bytes=PAGE_SIZE)
+        == PagePart(PAGE_SIZE * 8 * 128, 8 * 4 * PAGE_SIZE, 3, seal_bytes=PART_ALIGN)
     )
     k_span = page.k_part.span_bytes
     assert page.span_bytes == 2 * k_span
@@ -270,9 +270,10 @@ def test_unflat_page_is_the_k_and_v_parts(make_pools, v_head_dim):
         assert tuple(parts.shape) == (2, k_span)
         k, v = parts
     else:
-        # Per layer: V payload 128 x 2 x 64 fp8, V scales 2 x 2 per token.
+        # Per layer: V payload 128 x 2 x 64 fp8, V scales 2 x 2 per token;
+        # 2 layers of 16,896 B, then 3,072 B of seal area: 9 blocks of 4 KiB.
         assert host.host_page.v_part == PagePart(
-            PAGE_SIZE * 2 * 64, 2 * 2 * PAGE_SIZE, 2, seal_bytes=PAGE_SIZE
+            PAGE_SIZE * 2 * 64, 2 * 2 * PAGE_SIZE, 2, seal_bytes=3072
         )
         assert k_span > v_span
         assert isinstance(parts, tuple)
@@ -382,9 +383,9 @@ def test_format_tag_names_format_version_and_geometry(make_pools):
         )
     }
     assert len(tags) == 5
-    assert STORAGE_FORMAT_VERSION == 3
-    assert "mxfp8v3-l2h2d128p128" in tags
-    assert "mxfp8v3-l2h2d128v64p128" in tags
+    assert STORAGE_FORMAT_VERSION == 4
+    assert "mxfp8v4-l2h2d128p128" in tags
+    assert "mxfp8v4-l2h2d128v64p128" in tags
 
 
 # -- round trips and faults through the real backends ----------------------------
@@ -539,12 +540,12 @@ def test_round_trip_fp4(device, make_pools, open_io, kv_cache_dtype):
     _, host = make_pools(
         heads=8, head_dim=128, layers=3, pages=5, kv_cache_dtype=kv_cache_dtype
     )
-    assert host.storage_format_tag.startswith(f"{kv_cache_dtype}v3-l3h8d128p128")
+    assert host.storage_format_tag.startswith(f"{kv_cache_dtype}v4-l3h8d128p128")
     # Per layer: 128 tokens x 8 heads x 64 bytes of FP4, and 8 scale bytes per head.
     assert (
         host.host_page.k_part
         == host.host_page.v_part
-        == PagePart(128 * 8 * 64, 128 * 8 * 8, 3, seal_bytes=128)
+        == PagePart(128 * 8 * 64, 128 * 8 * 8, 3, seal_bytes=PART_ALIGN)
     )
     assert host.kv_buffer.dtype == torch.uint8
     stored = Stored(open_io(host), pages=5, seed=7)
@@ -561,7 +562,7 @@ def test_round_trip_asymmetric_heads(device, make_pools, open_io):
         with pytest.raises(BlockScaledHiCacheConfigError, match="head dims differ"):
             open_io(host)
         return
-    assert host.storage_format_tag == "mxfp8v3-l3h2d128v64p128"
+    assert host.storage_format_tag == "mxfp8v4-l3h2d128v64p128"
     k, v = host.host_page.k_part, host.host_page.v_part
     assert k.span_bytes - k.seal_bytes == 2 * (v.span_bytes - v.seal_bytes)
     stored = Stored(open_io(host), pages=5, seed=13)
@@ -811,13 +812,15 @@ def _plant_mooncake(io: StoragePageIO, key: str, fault: str) -> None:
 
 def _flipped_offset(io: StoragePageIO, where: str) -> int:
     """Where in a stored page's K part the ``flipped_*`` faults flip a byte:
-    in the last layer's payload or scales, or in the seal's digest."""
+    in the last layer's payload or scales, in the seal area before the seal
+    (no device page holds it, the digest covers it), or in the seal's digest."""
     part = io.storage_host_pool.host_page.k_part
     last = part.layer_num - 1
     return {
         "payload": part.payload_offset(last) + 5,
         "scales": part.scale_offset(last) + 1,
-        "seal": part.span_bytes - part.seal_bytes + 16,
+        "seal_area": part.span_bytes - part.seal_bytes + 16,
+        "seal": part.span_bytes - 4,
     }[where]
 
 
@@ -852,7 +855,7 @@ def _plant(io: StoragePageIO, key: str, fault: str, other: str = "") -> None:
     64 bytes (the K object on Mooncake), ``other_geometry`` a page of twice the
     heads (both objects), ``missing`` the page, ``missing_part`` its V object,
     ``other_page`` another page's (NIXL: page ``other``'s); ``flipped_payload``
-    / ``_scales`` / ``_seal`` one bit of the K part (``_flip``)."""
+    / ``_scales`` / ``_seal_area`` / ``_seal`` one bit of the K part (``_flip``)."""
     if fault.startswith("flipped_"):
         _flip(io, key, fault.removeprefix("flipped_"))
         return
@@ -898,7 +901,7 @@ FAULTS = [
     *(
         (backend, f"flipped_{where}")
         for backend in ("nixl", "hf3fs", "dynamic", "dynamic_v1")
-        for where in ("payload", "scales", "seal")
+        for where in ("payload", "scales", "seal_area", "seal")
     ),
 ]
 
@@ -1047,18 +1050,32 @@ def test_sealed_backend_refuses_a_heads_major_page(make_pools, open_io, backend)
 
 
 @on_cpu
-@pytest.mark.parametrize("setting", ["config", "env"])
-def test_nixl_refuses_direct_io(make_pools, storage_hooks, monkeypatch, setting):
-    """O_DIRECT moves 4 KiB multiples; a sealed page part is not one. Refused
-    whether O_DIRECT comes from NIXL's default, the extra config or the
-    environment, naming both switches."""
-    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
-    extra_config = {"use_direct_io": True} if setting == "config" else {}
-    monkeypatch.setenv("SGLANG_HICACHE_NIXL_USE_DIRECT_IO", "1")
-    with pytest.raises(BlockScaledHiCacheConfigError) as refused:
-        StoragePageIO.open("nixl", host, extra_config=extra_config)
-    assert '"use_direct_io": false' in str(refused.value)
-    assert "SGLANG_HICACHE_NIXL_USE_DIRECT_IO=0" in str(refused.value)
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+def test_nixl_moves_whole_parts_with_and_without_o_direct(
+    make_pools, storage_hooks, tmp_path, direct_io
+):
+    """Every part is whole 4 KiB blocks (here 3 layers of 16,896 B and a
+    2,560 B seal area), so NIXL with O_DIRECT (SGLang's default) moves pages
+    as buffered NIXL does: exact, each file a part (zero-copy: a pinned pool
+    is 4 KiB aligned) or a page (NIXL's bounce buffers: this pool is not)."""
+    _, host = make_pools(heads=1, head_dim=128, layers=3, pages=6)
+    part = host.host_page.k_part
+    assert (part.span_bytes, part.seal_bytes) == (13 * PART_ALIGN, 2560)
+    local = local_backend("nixl", str(tmp_path))
+    with local.environment():
+        extra_config = local.extra_config | {"use_direct_io": direct_io}
+        io = StoragePageIO.open("nixl", host, extra_config=extra_config)
+        try:
+            nixl = storage.sglang_backend(io.storage_backend)
+            assert nixl.needs_page_alignment == direct_io
+            stored = Stored(io, pages=3, seed=9)
+            assert stored.fetch() == 3
+            stored.check(3)
+            paths = storage.nixl_page_paths(nixl, stored.hashes)
+            one_file = part if nixl.is_zero_copy else host.host_page
+            assert {os.path.getsize(path) for path in paths} == {one_file.span_bytes}
+        finally:
+            io.close()
 
 
 DYNAMIC_CUTS = [

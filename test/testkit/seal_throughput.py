@@ -25,7 +25,6 @@ import torch
 from sglang_mxfp8_hicache import seal
 
 PAGE_BYTES = 1 << 20
-SEAL_BYTES = 4096
 
 
 def _parts(pages: torch.Tensor) -> list:
@@ -65,10 +64,10 @@ def measure(pages: int, threads: list[int]) -> dict:
             with ThreadPoolExecutor(n) as pool:
 
                 def write(parts=parts, pool=pool):
-                    list(pool.map(lambda p: seal.write(p, SEAL_BYTES, 7), parts))
+                    list(pool.map(lambda p: seal.write(p, 7), parts))
 
                 def check(parts=parts, pool=pool):
-                    list(pool.map(lambda p: seal.holds(p, SEAL_BYTES, 7), parts))
+                    list(pool.map(lambda p: seal.holds(p, 7), parts))
 
                 for name, run in (("seal", write), ("check", check)):
                     seconds = _best(run, refresh)

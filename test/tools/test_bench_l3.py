@@ -200,7 +200,7 @@ def check_report(report: results.Report) -> None:
     assert [c.pages for c in report.cells] == [1, 2]
     assert report.page_bytes == TINY_PAGE
     assert report.byte_ratio == TINY_PAGE["mxfp8"] / TINY_PAGE["payload"]
-    assert report.format_tag.startswith("mxfp8v3-l2h1d128p128")
+    assert report.format_tag.startswith("mxfp8v4-l2h1d128p128")
     for cell in report.cells:
         for d in results.L3_DIRECTIONS:
             for pool in results.L3_POOLS:

@@ -117,7 +117,7 @@ def test_round_trip_fp4(
     assert host.host_page.fmt.name == kv_cache_dtype
     assert host.page_size == page_size
     # Half a byte of payload and 1/16 of a scale byte per element.
-    seals = 2 * host.host_page.seal_bytes // host.page_size
+    seals = host.host_page.seal_bytes // host.page_size
     assert host.get_size_per_token() == 2 * (layers + drafts) * heads * (64 + 8) + seals
     result = round_trip(
         device_pool, host, pages=pages, seed=pages + heads, drafts=draft_pools
@@ -163,7 +163,7 @@ def test_round_trip_draft(make_pools, heads, layers, drafts, pages):
     assert (
         host.get_size_per_token()
         == 2 * (layers + drafts) * (heads * 128 + heads * 4)
-        + 2 * host.host_page.seal_bytes // host.page_size
+        + host.host_page.seal_bytes // host.page_size
     )
     result = round_trip(device_pool, host, pages=pages, seed=pages, drafts=draft_pools)
     assert_exact(result)

@@ -33,28 +33,32 @@ def test_scale_page_bytes(heads, head_dim, page_bytes):
 
 def test_host_page_byte_order():
     """A page is K then V; each is, layer by layer, the payload run then the
-    scale run of that layer's device page, then a seal of one byte per token."""
+    scale run of that layer's device page, then a seal area up to whole 4 KiB
+    blocks (K: 3 layers of 202,752 B are 148.5 blocks, so 2,048 B; V: 3 of
+    135,168 B are 99, so a whole block)."""
     k = ScaleGeometry(head_num=8, head_dim=192, page_size=128)
     v = ScaleGeometry(head_num=8, head_dim=128, page_size=128)
     page = HostPage(k, v, layer_num=3)
     k_layer = 128 * 8 * 192 + 128 * 8 * 6
     v_layer = 128 * 8 * 128 + 128 * 8 * 4
-    assert page.seal_bytes == 128
-    assert page.k_part.span_bytes == 3 * k_layer + 128
-    assert page.span_bytes == 3 * (k_layer + v_layer) + 2 * 128
+    k_seal, v_seal = 2048, 4096
+    assert (page.k_part.seal_bytes, page.v_part.seal_bytes) == (k_seal, v_seal)
+    assert page.seal_bytes == k_seal + v_seal
+    assert page.k_part.span_bytes == 3 * k_layer + k_seal == 149 * 4096
+    assert page.span_bytes == 3 * (k_layer + v_layer) + k_seal + v_seal
     assert page.run_bytes() == (128 * 8 * 192, 128 * 8 * 6, 128 * 8 * 128, 128 * 8 * 4)
     assert page.run_offsets(0) == (
         0,
         128 * 8 * 192,
-        3 * k_layer + 128,
-        3 * k_layer + 128 + 128 * 8 * 128,
+        3 * k_layer + k_seal,
+        3 * k_layer + k_seal + 128 * 8 * 128,
     )
     assert page.run_offsets(2)[1] == 2 * k_layer + 128 * 8 * 192
     assert page.bytes_per_token * 128 == page.span_bytes
-    assert page.storage_format_tag() == "mxfp8v3-l3h8d192v128p128"
-    # Every byte of the span belongs to exactly one run or one part's seal.
-    k_seal = page.k_part.span_bytes - 128
-    seals = [(k_seal, k_seal + 128), (page.span_bytes - 128, page.span_bytes)]
+    assert page.storage_format_tag() == "mxfp8v4-l3h8d192v128p128"
+    # Every byte of the span belongs to exactly one run or one part's seal area.
+    k_end = page.k_part.span_bytes
+    seals = [(k_end - k_seal, k_end), (page.span_bytes - v_seal, page.span_bytes)]
     covered = sorted(
         [
             (off, off + size)
@@ -109,23 +113,24 @@ def test_bytes_per_token(name):
     plan = pool_plan(model, tp, device_tokens=100_000, hicache_ratio=2.0)
     assert plan.payload_bytes_per_token == payload
     assert plan.scale_bytes_per_token == scales
-    assert plan.seal_bytes_per_token == 2  # a 128 B seal per part, page 128
-    assert plan.bytes_per_token == payload + scales + 2
+    # Each part's layers are whole 4 KiB blocks: a block of seal area per part.
+    assert plan.seal_bytes_per_token == 2 * 4096 // 128
+    assert plan.bytes_per_token == payload + scales + 64
 
 
 def test_host_tokens_from_size_and_ratio():
     model = MODELS["llama-3.1-8b"][0]
-    # --hicache-size 1: int(1e9 // 67586) = 14796 tokens -> 115 pages + 1 padding
-    # (67586 B per token: payload, scales and 2 B of page seals).
+    # --hicache-size 1: int(1e9 // 67648) = 14782 tokens -> 115 pages + 1 padding
+    # (67648 B per token: payload, scales and 64 B of seal areas).
     plan = pool_plan(model, 1, device_tokens=100_000, hicache_size_gb=1)
     assert plan.host_tokens == 116 * 128
-    assert plan.host_bytes == 116 * 128 * 67586
+    assert plan.host_bytes == 116 * 128 * 67648
     # Payload-only sizing would have given int(1e9 // 65536) = 15258 -> 119 + 1 pages.
     assert plan.host_tokens_without_scales == 120 * 128
     # --hicache-ratio 2 over 1000 device tokens: 2000 -> 15 pages + 1 padding.
     plan = pool_plan(model, 1, device_tokens=1000, hicache_ratio=2.0)
     assert plan.host_tokens == 16 * 128
-    assert plan.host_bytes == 16 * 128 * 67586
+    assert plan.host_bytes == 16 * 128 * 67648
 
 
 def test_tp_must_divide_or_replicate_heads():
@@ -151,7 +156,7 @@ def test_fp4_scale_page_bytes(fmt, heads, page_size, page_bytes):
     assert geometry.payload_head_bytes == 64
     assert geometry.payload_bytes_per_token == 8 * geometry.bytes_per_token
     page = HostPage(geometry, geometry, layer_num=3)
-    assert page.storage_format_tag() == f"{fmt.name}v3-l3h{heads}d128p{page_size}"
+    assert page.storage_format_tag() == f"{fmt.name}v4-l3h{heads}d128p{page_size}"
 
 
 @pytest.mark.parametrize("fmt", [FP4_MX_BLOCK16, NVFP4], ids=lambda f: f.name)

@@ -35,7 +35,7 @@ def test_sizing_counts_scales(make_pools):
     _, host = make_pools(heads=8, head_dim=128, layers=4, pages=2)
     payload = 2 * 8 * 128 * 4
     scales = 2 * 8 * 4 * 4
-    seals = 2  # a 128 B seal at the end of each part of a 128-token page
+    seals = 2 * 4096 // 128  # each part ends in a 4 KiB block of seal area
     assert host.get_size_per_token() == payload + scales + seals
     assert host.size_per_token == payload + scales + seals
     assert host.get_ksize_per_token() == (payload + scales + seals) // 2
@@ -482,8 +482,9 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
             *device_pool.v_scale_buffer,
         ]
         device_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        # The device cell, and each part's seal: one page_size of bytes.
-        seals = 2
+        # The device cell, and each part's seal area: its layers are whole
+        # 4 KiB blocks, so one block.
+        seals = 2 * 4096 // page_size
         assert (
             host.size_per_token
             == device_bytes // (device_pool.size + page_size) + seals
@@ -500,7 +501,7 @@ def test_fp4_sizing_matches_the_device_pool(cpu_kernels, name, page_size):
         assert host.size == plan.host_tokens
         # The packed payload of one head is 64 B of a page's K run per token.
         assert host.host_page.k_part.payload_bytes == page_size * 8 * 64
-        assert host.storage_format_tag.startswith(f"{name}v3-l32h8d128p{page_size}")
+        assert host.storage_format_tag.startswith(f"{name}v4-l32h8d128p{page_size}")
     finally:
         host.destroy()
 
@@ -580,53 +581,6 @@ def test_refuses_native_nvfp4_scales_wherever_a_stack_is_built(cpu_kernels):
     assert device_buffer_info(plain).scales is not None
 
 
-@pytest.mark.parametrize(
-    "extra_config, refused",
-    [
-        ("", True),
-        ('{"use_direct_io": true}', True),
-        ('{"use_direct_io": false}', False),
-    ],
-    ids=["nixl_default", "nixl_direct_io", "nixl_buffered"],
-)
-def test_refuses_nixl_direct_io(
-    cpu_kernels, no_allocation, mxfp8_pool, monkeypatch, extra_config, refused
-):
-    """NIXL's O_DIRECT (its default) moves 4 KiB multiples, which a sealed page
-    part is not: refused before the pool allocates, from the server's
-    --hicache-storage-backend-extra-config; buffered NIXL is served."""
-    from types import SimpleNamespace
-
-    from sglang.srt import runtime_context
-
-    monkeypatch.delenv("SGLANG_HICACHE_NIXL_USE_DIRECT_IO", raising=False)
-    memory = SimpleNamespace(
-        hicache_storage_backend_extra_config=extra_config, hicache_io_backend=None
-    )
-    monkeypatch.setattr(runtime_context, "get_memory", lambda: memory)
-    info = device_buffer_info(mxfp8_pool)
-
-    def build():
-        return MHATokenToKVPoolMXFP8Host(
-            info,
-            2.0,
-            0,
-            128,
-            "page_first",
-            allocator_type="nixl",
-            **_kwargs(mxfp8_pool),
-        )
-
-    if refused:
-        with pytest.raises(
-            BlockScaledHiCacheConfigError, match='"use_direct_io": false'
-        ):
-            build()
-    else:
-        with pytest.raises(AssertionError, match="allocated before refusing"):
-            build()  # past every check, into the allocating base
-
-
 # -- one plan: every path's first refusal is the plan's ---------------------------
 
 SEVERAL_PROBLEMS = {
@@ -650,14 +604,13 @@ def test_every_path_gives_the_plans_first_refusal(cpu_kernels, monkeypatch, case
 
     page_size, layout, io, backend, v_head_dim, fmt = SEVERAL_PROBLEMS[case]
     fp4 = "fp4_mx_block16" if fmt == "fp4" else fmt
-    flags = HiCacheFlags(fp4, page_size, layout, io, backend, {})
+    flags = HiCacheFlags(fp4, page_size, layout, io, backend)
     shape = PageShape(2, 128, v_head_dim, 2)
     first = refusal(flags, shape)
     assert first is not None
     assert refusal(flags) in (first, None)  # the plugin, before the model
 
     monkeypatch.setattr(host_pool_module, "configured_io_backend", lambda: io)
-    monkeypatch.setattr(host_pool_module, "configured_storage_extra_config", dict)
     pool = build_device_pool(
         head_num=2,
         head_dim=128,
@@ -676,7 +629,7 @@ def test_every_path_gives_the_plans_first_refusal(cpu_kernels, monkeypatch, case
 
     if first.flag == "--hicache-storage-backend":  # the pool alone is served
         host = MHATokenToKVPoolMXFP8Host(*args, **_kwargs(pool))
-        assert host.refusal_with_storage(backend, {}) == first
+        assert host.refusal_with_storage(backend) == first
     size_knows = dataclasses.replace(flags, io_backend="kernel", storage_backend=None)
     size_first = refusal(size_knows, shape)
     plan_args = dict(device_tokens=256, fmt=FORMATS[fp4], page_size=page_size)

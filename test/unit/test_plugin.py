@@ -294,15 +294,6 @@ FLAG_CASES = {
         "--hicache-mem-layout page_first_kv_split is not served",
     ),
     "io_backend": (["--hicache-io-backend", "kernel_ascend"], "kernel_ascend is not"),
-    "nixl_direct_io": (
-        [
-            "--hicache-storage-backend",
-            "nixl",
-            "--hicache-storage-backend-extra-config",
-            '{"use_direct_io": true}',
-        ],
-        '"use_direct_io": false',
-    ),
     "storage": (["--hicache-storage-backend", "aibrix"], "aibrix cannot store"),
     "sealed_page_head": (
         ["--hicache-storage-backend", "hf3fs", "--hicache-mem-layout", "page_head"],

@@ -9,8 +9,6 @@ import pytest
 from sglang_mxfp8_hicache import seal
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 
-SEAL_BYTES = 128
-
 
 def _parts(count: int, size: int = 64 << 10) -> list[np.ndarray]:
     rng = np.random.default_rng(3)
@@ -20,20 +18,21 @@ def _parts(count: int, size: int = 64 << 10) -> list[np.ndarray]:
 @pytest.mark.parametrize("threads", [1, 3, 8])
 def test_batch_seals_as_one_at_a_time(threads):
     parts, alone = _parts(7), _parts(7)
-    seeds = [seal.key_seed("mxfp8v3", f"key{n}") for n in range(len(parts))]
-    seal.write_all(parts, seeds, SEAL_BYTES, threads)
+    seeds = [seal.key_seed("mxfp8v4", f"key{n}") for n in range(len(parts))]
+    seal.write_all(parts, seeds, threads)
     for part, seed in zip(alone, seeds, strict=True):
-        seal.write(part, SEAL_BYTES, seed)
+        seal.write(part, seed)
     assert all(np.array_equal(a, b) for a, b in zip(parts, alone, strict=True))
-    assert seal.hold_all(parts, seeds, SEAL_BYTES, threads) == [True] * len(parts)
-    # One byte flipped in one part (its payload, then its seal): that part alone.
-    for where in (1000, len(parts[4]) - SEAL_BYTES + 20):
+    assert seal.hold_all(parts, seeds, threads) == [True] * len(parts)
+    # One byte flipped in one part (its payload, the padding before its seal,
+    # its digest): that part alone.
+    for where in (1000, len(parts[4]) - 30, len(parts[4]) - 4):
         parts[4][where] ^= 0x01
-        held = seal.hold_all(parts, seeds, SEAL_BYTES, threads)
+        held = seal.hold_all(parts, seeds, threads)
         assert held == [n != 4 for n in range(len(parts))], where
         parts[4][where] ^= 0x01
     # Another key's seed does not match.
-    assert seal.hold_all(parts[:1], seeds[1:2], SEAL_BYTES, threads) == [False]
+    assert seal.hold_all(parts[:1], seeds[1:2], threads) == [False]
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "many", "1.5"])

@@ -70,8 +70,8 @@ def local_backend(
     * ``hf3fs``: SGLang's ``HiCacheHF3FS``, its mock 3FS client (a sparse file
       of ``size_bytes``, fixed slots) and in-process metadata (``hf3fs``: more
       config, e.g. ``metadata_server_url``); the real client needs 3FS;
-    * ``nixl``: SGLang's ``HiCacheNixl``, NIXL's POSIX file plugin buffered (a
-      part of ours is no 4 KiB multiple), without its cleaner thread.
+    * ``nixl``: SGLang's ``HiCacheNixl``, NIXL's POSIX file plugin with
+      SGLang's default O_DIRECT, without its cleaner thread.
     """
     if backend == "file":
         return BackendConfig({"file_storage_path": root}, {FILE_DIR_ENV: None})
@@ -84,7 +84,7 @@ def local_backend(
         env = {"SGLANG_HICACHE_HF3FS_CONFIG_PATH": config}
         return BackendConfig({"use_mock_hf3fs_client": True}, env)
     if backend == "nixl":
-        extra = {"use_direct_io": False, "l3_cleaner_enabled": False}
+        extra = {"l3_cleaner_enabled": False}
         return BackendConfig(extra, {"SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR": root})
     raise ValueError(f"backend must be one of {LOCAL_BACKENDS}, got {backend!r}")
 
