@@ -62,12 +62,12 @@ def test_round_trip(make_pools, heads, head_dim, layers, pages):
     assert host.page_num >= pages
     result = round_trip(device_pool, host, pages=pages, seed=pages + heads)
     assert_exact(result)
-    # The host page is one span: payload and scale runs of every layer, and a
-    # 128 B seal per part.
+    # The host page is one span: per part, payload and scale runs of every
+    # layer, then a seal area of at least 24 B up to a whole 4 KiB block.
     page = host.host_page
     assert host.kv_buffer.shape == (host.page_num, page.span_bytes)
-    runs = 2 * layers * 128 * heads * (head_dim + head_dim // 32)
-    assert page.span_bytes == runs + 2 * 128
+    runs = layers * 128 * heads * (head_dim + head_dim // 32)
+    assert page.span_bytes == 2 * (-(-(runs + 24) // 4096) * 4096)
     # Random bytes include 0xFF (UE8M0 NaN) in what the pages carried.
     assert (host.kv_buffer.view(torch.uint8) == 0xFF).any()
 
