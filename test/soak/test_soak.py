@@ -26,9 +26,17 @@ from testkit.soak import SoakFigures
 SOAK = script("soak")
 
 
-def soak(request, *flags: str, ranks: int = 1) -> SoakFigures | list[SoakFigures]:
-    """One run's figures (with ``ranks``, one per rank, in rank order)."""
-    seconds = request.config.getoption("--soak-seconds")
+NO_HIT_SECONDS = 8
+"""A run that must find none of a store's pages: its first requests are the
+store's first (one seed), so a few seconds ask for them all the same."""
+
+
+def soak(
+    request, *flags: str, ranks: int = 1, seconds: int | None = None
+) -> SoakFigures | list[SoakFigures]:
+    """One run's figures (with ``ranks``, one per rank, in rank order), of
+    ``--soak-seconds`` unless ``seconds`` is given."""
+    seconds = seconds or request.config.getoption("--soak-seconds")
     seed = request.config.getoption("--soak-seed")
     done = subprocess.run(
         [sys.executable, SOAK, "--seconds", str(seconds), "--seed", str(seed), *flags],
@@ -187,8 +195,11 @@ def test_restart(request, tmp_path, backend):
     assert second.mismatches == 0 and second.hangs == 0, second.first_mismatches
     assert second.pages_loaded_from_l3 > 0
     for other in (["--heads", "4"], ["--kv-cache-dtype", "fp4_mx_block16"]):
-        figures = soak(request, *store, "--no-l3-writes", *other)
+        figures = soak(
+            request, *store, "--no-l3-writes", *other, seconds=NO_HIT_SECONDS
+        )
         assert figures.mismatches == 0 and figures.pages_loaded_from_l3 == 0, other
+        assert figures.requests_served > 0, other
 
 
 RANKS_AGREE_ON = (
@@ -202,7 +213,9 @@ RANKS_AGREE_ON = (
 agreement gives them the same hits, so no rank restores a page another did not."""
 
 
-def _assert_ranks_agree(ranks: list[SoakFigures], tp: int) -> None:
+def _assert_ranks_agree(
+    ranks: list[SoakFigures], tp: int, min_requests: int = 21
+) -> None:
     assert [r.tp_rank for r in ranks] == list(range(tp))
     for figures in ranks:
         assert figures.mismatches == 0 and figures.hangs == 0, figures.first_mismatches
@@ -210,7 +223,7 @@ def _assert_ranks_agree(ranks: list[SoakFigures], tp: int) -> None:
     first = ranks[0]
     for field in RANKS_AGREE_ON:
         assert {getattr(r, field) for r in ranks} == {getattr(first, field)}, field
-    assert first.requests_served > 20
+    assert first.requests_served >= min_requests
 
 
 @pytest.mark.parametrize(
@@ -284,9 +297,12 @@ def test_ranks_restart(request, tmp_path):
     _assert_ranks_agree(again, 2)
     assert again[0].pages_loaded_from_l3 > 0
     wider = soak(
-        request, "--tp", "4", "--heads", "1", *store, "--no-l3-writes", ranks=4
+        request,
+        *("--tp", "4", "--heads", "1", *store, "--no-l3-writes"),
+        ranks=4,
+        seconds=NO_HIT_SECONDS,
     )
-    _assert_ranks_agree(wider, 4)
+    _assert_ranks_agree(wider, 4, min_requests=1)
     assert wider[0].pages_loaded_from_l3 == 0
 
 
