@@ -24,8 +24,8 @@ from testkit.cli_runner import MASTER, run_cli
 
 TINY = (1, 128, 2)
 """1 KV head x 128 x 2 layers: K and V of a page are 2 x 32 KiB of payload,
-2 x 1 KiB of scales and a 128 B seal."""
-TINY_PAGE = {"mxfp8": 2 * (32768 + 1024 + 128), "payload": 2 * 32768}
+2 x 1 KiB of scales and a seal area up to 9 blocks of 4 KiB."""
+TINY_PAGE = {"mxfp8": 2 * 9 * 4096, "payload": 2 * 32768}
 
 
 def fake_report(

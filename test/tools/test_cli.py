@@ -63,14 +63,14 @@ def test_size_table(capsys):
     )
     out = capsys.readouterr().out
     assert "TP 8, --kv-cache-dtype mxfp8, page_size 128, --hicache-size 100 GB" in out
-    # 100e9 // 21122 = 4734400 -> 36987 pages + 1 padding (21122 B per token:
-    # payload, scales, 2 B of page seals); payload only: // 20480.
+    # 100e9 // 21184 = 4720543 -> 36879 pages + 1 padding (21184 B per token:
+    # payload, scales, 64 B of seal areas); payload only: // 20480.
     [row] = [line.split() for line in out.splitlines() if line.startswith("kv ")]
     assert row[:5] == ["kv", "80", "1", "x", "128"]
-    assert row[6:8] == ["21122", "(20480+640+2)"]
-    assert row[8] == str(36988 * 128)
+    assert row[6:8] == ["21184", "(20480+640+64)"]
+    assert row[8] == str(36880 * 128)
     assert row[10] == str((100_000_000_000 // 20480 // 128 + 1) * 128)
-    host = 36988 * 128 * 21122
+    host = 36880 * 128 * 21184
     assert f"host tier per rank: {host / 1e9:.3f} GB ({host / 2**30:.3f} GiB)" in out
     assert f"per node (8 ranks, --gpus-per-node 8): {8 * host / 1e9:.3f} GB" in out
 
@@ -89,7 +89,7 @@ def test_size_fp4(capsys, kv_cache_dtype):
     assert main(table) == 0
     out = capsys.readouterr().out
     assert f"--kv-cache-dtype {kv_cache_dtype}, page_size 64" in out
-    assert "36866 (32768+4096+2)" in out  # + seals
+    assert "36992 (32768+4096+128)" in out  # + seal areas: 4 KiB a part
 
 
 def test_size_from_hf_config(tmp_path, capsys):
@@ -109,7 +109,7 @@ def test_size_from_hf_config(tmp_path, capsys):
     assert main(argv) == 0
     plan = json.loads(capsys.readouterr().out)
     [pool] = plan["pools"]
-    assert pool["bytes_per_token"] == 131072 + 4096 + 2  # + page seals
+    assert pool["bytes_per_token"] == 131072 + 4096 + 64  # + seal areas
     assert pool["host_tokens"] == (2000 // 128 + 1) * 128
     assert plan["source"] == "LlamaForCausalLM"
 
@@ -491,7 +491,7 @@ def test_size_reads_text_config(tmp_path, capsys):
     code, out, _ = run_cli(size(config=str(path)), capsys)
     assert code == 0
     [pool] = json.loads(out)["pools"]
-    assert pool["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) + 2
+    assert pool["bytes_per_token"] == 2 * 32 * 8 * (128 + 4) + 64
 
 
 def test_version(capsys):
