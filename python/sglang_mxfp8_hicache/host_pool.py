@@ -272,8 +272,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         logger.info(
             "%s: %s HiCache host pool: --hicache-mem-layout %s and "
             "--hicache-io-backend %s are served by one owned %s page, %s; "
-            "%d tokens, payload %.3f GB + scales %.3f GB (+ seals %.3f GB), moved "
-            "as page chunks by %s; loads in up to %d layer groups%s.",
+            "%d tokens, payload %.3f GB + scales %.3f GB (+ seal areas %.3f GB), "
+            "moved as page chunks by %s; loads in up to %d layer groups%s.",
             pool_label,
             fmt.name,
             layout,
