@@ -304,6 +304,15 @@ FLAG_CASES = {
         "leave the threshold at 1",
     ),
     "served": (["--hicache-storage-backend", "file"], None),
+    "nixl_o_direct_served": (
+        [
+            "--hicache-storage-backend",
+            "nixl",
+            "--hicache-storage-backend-extra-config",
+            '{"use_direct_io": true}',
+        ],
+        None,
+    ),
     "fp4_any_page_size": (["--kv-cache-dtype", "fp4_mx_block16"], None),
 }
 _RESOLVE = """
