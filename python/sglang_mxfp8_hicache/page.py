@@ -45,6 +45,7 @@ This module imports no CUDA code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -177,8 +178,9 @@ class HostPage:
         part = PagePart(side.payload_page_bytes, side.page_bytes, self.layer_num)
         if self.heads_major:  # no seal (module docstring)
             return part
-        seal = seal_bytes(part.span_bytes, self.page_size)
-        return PagePart(part.payload_bytes, part.scale_bytes, self.layer_num, seal)
+        return dataclasses.replace(
+            part, seal_bytes=seal_bytes(part.span_bytes, self.page_size)
+        )
 
     @cached_property
     def k_part(self) -> PagePart:
