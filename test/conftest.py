@@ -47,6 +47,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """Each test reads the package's environment variables afresh: a server
+    reads them once per process (``settings.current``), a test may set them."""
+    from sglang_mxfp8_hicache import settings
+
+    settings.current.cache_clear()
+    yield
+    settings.current.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def soak_figures() -> list[str]:
     """Where each soak run adds its figures (:data:`SOAK_FIGURES`)."""

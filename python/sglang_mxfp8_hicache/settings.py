@@ -1,0 +1,143 @@
+"""Every environment variable the package reads: one frozen :class:`Settings`,
+read and checked once per process.
+
+=====================================  =======  ==========  =====================================
+variable                               default  accepts     what it sets
+=====================================  =======  ==========  =====================================
+``SGLANG_MXFP8_HICACHE_DISABLE``       off      1/0, true/  register no hook; SGLang picks its
+                                                false, yes/ own host pool
+                                                no, on/off
+``SGLANG_MXFP8_HICACHE_STAGING_MB``    128      0-65536     device staging per GPU, both
+                                                            directions (0: every transfer by SM
+                                                            copies)
+``SGLANG_MXFP8_HICACHE_SEAL_THREADS``  4 [*]_   1-256       threads that seal and check a sealed
+                                                            L3 batch
+``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES`` 0       0-65536     smallest chunk of a sealed L3 batch
+                                                            (0: one backend call per batch)
+=====================================  =======  ==========  =====================================
+
+.. [*] or the cores this process may run on, if fewer.
+
+A value outside what a variable accepts raises
+:class:`~sglang_mxfp8_hicache.errors.BlockScaledHiCacheConfigError` with one
+line naming the variable, the value and what it accepts. The plugin reads the
+settings when SGLang loads it and hands them to what uses them; no other
+module reads these variables.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "SGLANG_MXFP8_HICACHE_"
+_SWITCH = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
+
+def _default_seal_threads() -> int:
+    return min(4, len(os.sched_getaffinity(0)))
+
+
+def _switch(text: str) -> bool | None:
+    return _SWITCH.get(text.lower())
+
+
+def _whole(low: int, high: int) -> Callable[[str], int | None]:
+    def parse(text: str) -> int | None:
+        if not (text.isascii() and text.isdigit()):
+            return None
+        value = int(text)
+        return value if low <= value <= high else None
+
+    return parse
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: the setting it fills, how its text parses
+    (None: not accepted), what it accepts, in words, and its default."""
+
+    setting: str
+    parse: Callable[[str], object | None]
+    accepts: str
+    default: Callable[[], object]
+
+    @property
+    def name(self) -> str:
+        return PREFIX + self.setting.upper()
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable("disable", _switch, "1, true, yes, on or 0, false, no, off", lambda: False),
+    Variable(
+        "staging_mb", _whole(0, 1 << 16), "a whole number of MiB, 0-65536", lambda: 128
+    ),
+    Variable(
+        "seal_threads", _whole(1, 256), "a whole number, 1-256", _default_seal_threads
+    ),
+    Variable("l3_chunk_pages", _whole(0, 1 << 16), "a whole number, 0-65536", lambda: 0),
+)
+"""Every variable the package reads, in one table (``docs/configuration.md``)."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator set, checked. Built from the environment by
+    :meth:`from_environ`; defaults are :data:`VARIABLES`' defaults."""
+
+    disable: bool
+    """Register no hook: SGLang picks its own host pool."""
+    staging_mb: int
+    """Device staging per GPU, both directions, in MiB (0: none)."""
+    seal_threads: int
+    """Threads a sealed L3 batch's parts are sealed and checked on."""
+    l3_chunk_pages: int
+    """Pages of a sealed L3 batch's smallest chunk (0: one call per batch)."""
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_mb << 20
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings of ``environ`` (the process's by default); raises on
+        the first variable whose value it does not accept."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for variable in VARIABLES:
+            text = environ.get(variable.name, "").strip()
+            value = variable.parse(text) if text else variable.default()
+            if value is None:
+                raise BlockScaledHiCacheConfigError(
+                    f"{variable.name}={text!r} is not accepted: give "
+                    f"{variable.accepts}, or leave it unset."
+                )
+            values[variable.setting] = value
+        return cls(**values)
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+@functools.cache
+def current() -> Settings:
+    """The process's settings, read from its environment once and logged once."""
+    settings = Settings.from_environ()
+    logger.info("sglang-mxfp8-hicache settings: %s.", settings.describe())
+    return settings
