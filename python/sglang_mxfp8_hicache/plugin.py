@@ -20,7 +20,7 @@ indices where the radix tree keeps them, on the CPU
 (``keep_host_indices_on_cpu``): a staged transfer addresses host pages from
 the CPU, and those indices would otherwise be uploaded for every transfer.
 
-On an SGLang release this package does not serve (``SUPPORTED_SGLANG_VERSIONS``)
+On an SGLang release this package does not serve (``releases.SUPPORTED_SGLANG_VERSIONS``)
 none of that is installed: one hook refuses a block-scaled KV cache with HiCache
 when SGLang resolves its arguments (``refuse_on_unserved_release``), and every
 other setup is left to SGLang.
@@ -41,6 +41,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from sglang_mxfp8_hicache import releases
 from sglang_mxfp8_hicache.geometry import buffer_scale_format, is_packed_fp4
 
 if TYPE_CHECKING:
@@ -65,16 +66,6 @@ MOVE_POOL_INDICES_HOOK_TARGET = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
     "HybridCacheController._move_pool_indices"
 )
-SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
-"""The releases this package serves (``pyproject.toml`` only bounds SGLang
-below, so that installing it never moves a user's SGLang)."""
-FIRST_SGLANG_MXFP8_HOST = "0.5.21"
-"""The first release with an MXFP8 HiCache host pool of its own; older ones
-(0.5.16-0.5.20 have the MXFP8 device pool) restore pages with stale scales."""
-FIRST_RESOLVE_ONCE = "0.5.19"
-"""The first release that resolves server arguments in ``ServerArgs.resolve_once``;
-older ones do it in ``ServerArgs.__post_init__``."""
-
 _registered = False
 _refusing = False
 """Set once the refusal of an unserved release is registered."""
@@ -87,15 +78,6 @@ def is_disabled() -> bool:
 
 def is_registered() -> bool:
     return _registered
-
-
-def sglang_version() -> str | None:
-    """The version of the sglang that imports, which need not be pip-installed."""
-    try:
-        from sglang.version import __version__
-    except ImportError:
-        return None
-    return __version__
 
 
 def claims(buffer_info: MHABufferInfo) -> str | None:
@@ -125,8 +107,6 @@ def select_host_pool_cls(
     """AROUND hook on ``get_mha_host_pool_cls``, which a release that builds
     host pools from the device pool (``releases``) hands the device pool: ours
     is then made from it, and its native nvfp4 scales are refused here."""
-    from sglang_mxfp8_hicache import releases
-
     pool_or_info = buffer_info
     reason = claims(releases.buffer_info(pool_or_info))
     if reason is not None:
@@ -201,8 +181,6 @@ def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
     moves pages without it. A host pool of SGLang's own that is built later
     (its constructor calls this function too) still gets its staging.
     """
-    from sglang_mxfp8_hicache import releases
-
     info = releases.buffer_info(buffer_info)  # the device pool before 0.5.23
     if _preparing_staging.get() and claims(info) is not None:
         _reserve_device_staging(info.device)
@@ -281,8 +259,8 @@ def keep_pool_host_indices_on_cpu(
 def unserved_release_reason(found: str | None) -> str:
     """Why block-scaled KV with HiCache is refused on SGLang ``found``, and
     what to do instead."""
-    served = " / ".join(SUPPORTED_SGLANG_VERSIONS)
-    newest = SUPPORTED_SGLANG_VERSIONS[-1]
+    served = " / ".join(releases.SUPPORTED_SGLANG_VERSIONS)
+    newest = releases.NEWEST
     if _loses_scales(found):
         why = (
             f"sglang {found} has an MXFP8 KV pool but no block-scaled HiCache "
@@ -325,13 +303,15 @@ def refuse_on_unserved_release(
         and dtype in FORMATS
         and not _uses_mla_pool(server_args, getattr(view, "model_path", ""))
     ):
-        raise refusal_error(unserved_release_reason(sglang_version()), dtype)
+        raise refusal_error(unserved_release_reason(releases.sglang_version()), dtype)
     return result
 
 
 def _loses_scales(found: str | None) -> bool:
     """Whether SGLang ``found`` has an MXFP8 KV pool but no block-scaled host pool."""
-    return found is not None and _release(found) < _release(FIRST_SGLANG_MXFP8_HOST)
+    return found is not None and releases.release(found) < releases.release(
+        releases.FIRST_SGLANG_MXFP8_HOST
+    )
 
 
 def _refuse_on_this_release(found: str | None) -> None:
@@ -345,7 +325,9 @@ def _refuse_on_this_release(found: str | None) -> None:
         "block-scaled --kv-cache-dtype and --enable-hierarchical-cache is refused.",
         reason,
     )
-    resolves_once = found is None or _release(found) >= _release(FIRST_RESOLVE_ONCE)
+    resolves_once = found is None or releases.release(found) >= releases.release(
+        releases.FIRST_RESOLVE_ONCE
+    )
     target = SERVER_ARGS_HOOK_TARGET
     if not resolves_once:
         target = target.replace("resolve_once", "__post_init__")
@@ -386,13 +368,6 @@ def _uses_mla_pool(server_args: Any, model_path: str) -> bool:
         return False
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """(0, 5, 20) from '0.5.20', '0.5.20.post1' or '0.5.20rc0'."""
-    from packaging.version import Version
-
-    return Version(version).release
-
-
 def register() -> None:
     """Entry point of group ``sglang.srt.plugins``; idempotent."""
     global _registered, _refusing
@@ -404,15 +379,15 @@ def register() -> None:
             DISABLE_ENV,
         )
         return
-    found = sglang_version()
-    if found not in SUPPORTED_SGLANG_VERSIONS:
+    found = releases.sglang_version()
+    if found not in releases.SUPPORTED_SGLANG_VERSIONS:
         if not _refusing:
             _refuse_on_this_release(found)
             _refusing = True
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_mxfp8_hicache import releases, storage
+    from sglang_mxfp8_hicache import storage
 
     HookRegistry.register(HOOK_TARGET, select_host_pool_cls, HookType.AROUND)
     if not releases.builds_from_device_pool():  # else select_host_pool_cls refuses

@@ -32,25 +32,43 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
+SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
+"""The releases this package serves (``pyproject.toml`` only bounds SGLang
+below, so that installing it never moves a user's SGLang)."""
+NEWEST = SUPPORTED_SGLANG_VERSIONS[-1]
+"""The release every other module is written for, named in user messages."""
 FIRST_BUFFER_INFO_RELEASE = "0.5.23"
 """The first release whose host pools are built from ``MHABufferInfo``."""
 FIRST_KEYWORD_BASE_RELEASE = "0.5.22"
 """The first release whose ``HostKVCache.__init__`` takes keyword geometry;
 it also names the host receive threshold the other way round, says in its
 platform whether the HiCache kernels run, and tags L3 keys with the format."""
+FIRST_SGLANG_MXFP8_HOST = "0.5.21"
+"""The first release with an MXFP8 HiCache host pool of its own; older ones
+(0.5.16-0.5.20 have the MXFP8 device pool) restore pages with stale scales."""
+FIRST_RESOLVE_ONCE = "0.5.19"
+"""The first release that resolves server arguments in ``ServerArgs.resolve_once``;
+older ones do it in ``ServerArgs.__post_init__``."""
 
 
-def _release() -> tuple[int, ...]:
+def sglang_version() -> str | None:
+    """The version of the sglang that imports, which need not be pip-installed."""
+    try:
+        from sglang.version import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def release(version: str) -> tuple[int, ...]:
+    """(0, 5, 20) from '0.5.20', '0.5.20.post1' or '0.5.20rc0'."""
     from packaging.version import Version
-    from sglang.version import __version__
 
-    return Version(__version__).release
+    return Version(version).release
 
 
 def _before(version: str) -> bool:
-    from packaging.version import Version
-
-    return _release() < Version(version).release
+    return release(sglang_version() or "0") < release(version)
 
 
 @functools.cache

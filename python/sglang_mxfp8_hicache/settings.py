@@ -84,14 +84,18 @@ class Variable:
 
 
 VARIABLES: tuple[Variable, ...] = (
-    Variable("disable", _switch, "1, true, yes, on or 0, false, no, off", lambda: False),
+    Variable(
+        "disable", _switch, "1, true, yes, on or 0, false, no, off", lambda: False
+    ),
     Variable(
         "staging_mb", _whole(0, 1 << 16), "a whole number of MiB, 0-65536", lambda: 128
     ),
     Variable(
         "seal_threads", _whole(1, 256), "a whole number, 1-256", _default_seal_threads
     ),
-    Variable("l3_chunk_pages", _whole(0, 1 << 16), "a whole number, 0-65536", lambda: 0),
+    Variable(
+        "l3_chunk_pages", _whole(0, 1 << 16), "a whole number, 0-65536", lambda: 0
+    ),
 )
 """Every variable the package reads, in one table (``docs/configuration.md``)."""
 

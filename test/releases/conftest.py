@@ -25,7 +25,7 @@ def release_source(tmp_path_factory):
         """None for the installed release: its own environment runs it."""
         from sglang.version import __version__
 
-        from sglang_mxfp8_hicache.plugin import SUPPORTED_SGLANG_VERSIONS
+        from sglang_mxfp8_hicache.releases import SUPPORTED_SGLANG_VERSIONS
 
         if version == __version__:
             return None

@@ -122,7 +122,7 @@ def test_register_refuses_on_unserved_sglang(
     """Outside the served releases: no host pool hook, one log line naming the
     release and the fixes, and one hook that refuses block-scaled KV with
     HiCache where that release resolves its server arguments."""
-    monkeypatch.setattr(plugin, "sglang_version", lambda: version)
+    monkeypatch.setattr(releases, "sglang_version", lambda: version)
     plugin.register()
     plugin.register()
     [(hooked, hook, _)] = recorded_hooks
@@ -156,7 +156,7 @@ def test_unserved_release_refuses_block_scaled_hicache_only(
 
     from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 
-    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.20")
+    monkeypatch.setattr(releases, "sglang_version", lambda: "0.5.20")
     args = SimpleNamespace(
         kv_cache_dtype=dtype, enable_hierarchical_cache=hicache, model_path="dummy"
     )

@@ -257,7 +257,7 @@ def measure(
 
 def run_metadata() -> dict[str, Any]:
     from sglang_mxfp8_hicache import __version__
-    from sglang_mxfp8_hicache.plugin import sglang_version
+    from sglang_mxfp8_hicache.releases import sglang_version
 
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
@@ -274,13 +274,13 @@ def apply_plugin_hooks() -> None:
     that the MXFP8 backends carry the storage guard a server's would."""
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_mxfp8_hicache import plugin
+    from sglang_mxfp8_hicache import plugin, releases
 
     plugin.register()
     if not plugin.is_registered():
         raise L3Unavailable(
-            f"the plugin registered no hooks ({plugin.DISABLE_ENV} set, or sglang "
-            f"{plugin.sglang_version()} unsupported): a server would not use this "
+            "the plugin registered no hooks (SGLANG_MXFP8_HICACHE_DISABLE set, or "
+            f"sglang {releases.sglang_version()} unsupported): a server would not use this "
             "host pool"
         )
     HookRegistry.apply_hooks()

@@ -85,7 +85,7 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 
 def _check_version() -> tuple[str, str]:
-    from sglang_mxfp8_hicache.plugin import SUPPORTED_SGLANG_VERSIONS, sglang_version
+    from sglang_mxfp8_hicache.releases import SUPPORTED_SGLANG_VERSIONS, sglang_version
 
     found = sglang_version()
     if found in SUPPORTED_SGLANG_VERSIONS:
