@@ -1,62 +1,32 @@
-"""A sealed L3 batch moved in chunks, so that the seal pass hides behind the
+"""A sealed L3 batch moved in chunks, so that the seal passes run beside the
 backend's own I/O.
 
 A sealed page (``seal.py``) costs one xxh3 pass over its bytes: before a put,
-after a get. Made over the whole batch before or after the backend's one call,
-the pass adds its whole time to the batch's (half to two thirds of a local
-backend's read on the GPU hosts here). Split into chunks, the backend moves
-one chunk while a thread of ours seals the next (puts) or checks the one
-before (gets): the batch then costs the backend's time, one call more per
-chunk, and the pass over one chunk, its last (gets) or first (puts). That
-chunk is the smallest: a get's chunks shrink by half down to
-``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES`` pages, a put's grow from it the same
-way, so a batch of ``n`` pages makes about ``log2(n / smallest)`` calls, and
-the pass keeps up with the backend while it is at least twice as fast (an
-xxh3 pass on one core, about 7 GB/s on the GPU hosts here, against 2-4 GB/s
-of file I/O).
+after a get. Made over the whole batch, the pass adds its whole time to the
+batch's. In chunks, the backend moves one chunk while a thread of ours seals
+the next (puts) or checks the one before (gets): the batch then costs the
+backend's time, one call more per chunk, and the pass over one chunk. That
+chunk is the smallest: a get's chunks shrink by half down to the
+``l3_chunk_pages`` setting, a put's grow from it the same way, so a batch of
+``n`` pages makes about ``log2(n / smallest)`` calls.
 
 It is off by default (0: a batch is one call): each call more costs the
-backend its own setup (NIXL about 0.4 ms on the H100 host, 1.2 ms on the CI
-machine), and the overlap needs a core to spare beside the backend's
-threads. On the 2-core CI machine chunks did not make NIXL or hf3fs faster
-(``docs/benchmarks.md``); a host of many cores is where to try it.
+backend its own setup, and the overlap needs a core to spare beside the
+backend's threads (``docs/benchmarks.md``).
 
 The backend's calls stay on the caller's thread, SGLang's prefetch or backup
 thread, one after another, as SGLang makes them: a backend never meets a
-thread it did not come from (the tests' in-memory class, which allocates a
-``bytes`` a page, took 6-12x for chunked puts when its writes ran on a
-thread of ours). Only the passes run on the helper thread; a batch returns
-only once none of them is left running.
+thread it did not come from. Only the passes run on the helper thread; a
+batch returns only once none of them is left running.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
-from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
-
-CHUNK_PAGES_ENV = "SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES"
-DEFAULT_CHUNK_PAGES = 0
-
 _Reply = TypeVar("_Reply")
-
-
-def smallest_chunk_pages() -> int:
-    """Pages of a sealed batch's smallest chunk
-    (``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``; 0, the default: one call)."""
-    text = os.environ.get(CHUNK_PAGES_ENV, "").strip()
-    if not text:
-        return DEFAULT_CHUNK_PAGES
-    if not text.isdigit():
-        raise BlockScaledHiCacheConfigError(
-            f"{CHUNK_PAGES_ENV}={text!r}: give the pages of a sealed L3 batch's "
-            "smallest chunk as a whole number (0, the default, moves a batch in "
-            "one call)."
-        )
-    return int(text)
 
 
 def chunk_bounds(pages: int, smallest: int) -> list[tuple[int, int]]:

@@ -8,10 +8,6 @@ class BlockScaledHiCacheConfigError(ValueError):
     message names the flag to change."""
 
 
-MXFP8HiCacheConfigError = BlockScaledHiCacheConfigError
-"""The name the error was introduced with, kept for code that catches it."""
-
-
 def refusal_error(
     reason: str, fmt_name: str, pool_label: str | None = None
 ) -> BlockScaledHiCacheConfigError:

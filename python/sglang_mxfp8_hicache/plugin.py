@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang_mxfp8_hicache import releases
+from sglang_mxfp8_hicache import releases, settings
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError, refusal_error
 from sglang_mxfp8_hicache.geometry import buffer_scale_format, is_packed_fp4
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "SGLANG_MXFP8_HICACHE_DISABLE"
 HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
 HOST_INPUTS_HOOK_TARGET = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs"
@@ -70,10 +69,6 @@ _registered = False
 _refusing = False
 """Set once the refusal of an unserved release is registered."""
 _logged_choices: set[tuple[str, str, str]] = set()
-
-
-def is_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def is_registered() -> bool:
@@ -143,8 +138,6 @@ def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
 def _refuse_native_scales(device_pools) -> None:
     for device_pool in device_pools:
         if getattr(device_pool, "native_k_scale_buffer", None) is not None:
-            from sglang_mxfp8_hicache.errors import refusal_error
-
             raise refusal_error(
                 "the device pool keeps native trtllm_mha scales "
                 "(SM100) outside the buffers a host pool is given; no host pool "
@@ -197,18 +190,17 @@ def _reserve_device_staging(device) -> None:
     from sglang_mxfp8_hicache import transfer
 
     try:
-        reserved = transfer.reserve_staging(torch.device(device))
-    except transfer.BlockScaledHiCacheConfigError:
-        raise
+        reserved = transfer.reserve_staging(
+            torch.device(device), settings.current().staging_bytes
+        )
     except Exception as exc:  # the pool reports what it then chooses
         logger.debug("block-scaled HiCache staging not made before sizing: %s", exc)
         return
     if reserved:
         logger.info(
             "Block-scaled HiCache device staging prepared before KV sizing: "
-            "%.0f MiB (%s).",
+            "%.0f MiB (SGLANG_MXFP8_HICACHE_STAGING_MB).",
             reserved / 2**20,
-            transfer.STAGING_ENV,
         )
 
 
@@ -271,7 +263,7 @@ def unserved_release_reason(found: str | None) -> str:
     else:
         why = f"sglang {found} is not a release it is tested with"
         instead = (
-            f", or set {DISABLE_ENV}=1 to leave the host pool to SGLang (its own "
+            ", or set SGLANG_MXFP8_HICACHE_DISABLE=1 to leave the host pool to SGLang (its own "
             "keeps MXFP8 scales in host memory only, and FP4 scales nowhere)"
         )
     return (
@@ -288,7 +280,6 @@ def refuse_on_unserved_release(
     0.5.19), registered instead of every other hook on a release this package
     does not serve: a block-scaled KV cache with HiCache stops the launch
     before a model loads; every other setup is left to SGLang."""
-    from sglang_mxfp8_hicache.errors import refusal_error
     from sglang_mxfp8_hicache.geometry import FORMATS
 
     try:  # the arguments as SGLang resolves them (0.5.20 on)
@@ -349,6 +340,7 @@ def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: A
         and view.kv_cache_dtype in FORMATS
         and not _uses_mla_pool(server_args, view.model_path)
     ):
+        settings.current()  # a variable's bad value stops the launch here
         refused = refusal(HiCacheFlags.from_server_args(view))
         if refused is not None:
             raise refused.error(view.kv_cache_dtype)
@@ -373,10 +365,19 @@ def register() -> None:
     global _registered, _refusing
     if _registered:
         return
-    if is_disabled():
+    try:
+        disabled = settings.current().disable
+    except BlockScaledHiCacheConfigError as exc:  # refused again at launch
+        logger.error(
+            "%s A launch with a block-scaled --kv-cache-dtype and "
+            "--enable-hierarchical-cache is refused until it is fixed.",
+            exc,
+        )
+        disabled = False
+    if disabled:
         logger.info(
-            "sglang-mxfp8-hicache disabled by %s; SGLang picks its own host pool.",
-            DISABLE_ENV,
+            "sglang-mxfp8-hicache disabled by SGLANG_MXFP8_HICACHE_DISABLE; "
+            "SGLang picks its own host pool."
         )
         return
     found = releases.sglang_version()

@@ -1,10 +1,9 @@
 """The seal at the end of each part of a host page (``page.PagePart``).
 
 Some L3 backends cannot say what they stored before its bytes land in the
-page: a class loaded with ``--hicache-storage-backend dynamic`` answers hit or
-miss, and may have copied a shorter, longer, stale or foreign object into the
-page. For those, each part's seal is written when a page goes to L3 and
-checked when it comes back, and a part whose seal does not match is a miss.
+page (``storage.BACKENDS``: the sealed ones). For those, each part's seal is
+written when a page goes to L3 and checked when it comes back, and a part
+whose seal does not match is a miss.
 
 A seal is the last 24 bytes of the part (its seal area, ``page.seal_bytes``,
 ends in it):
@@ -15,20 +14,14 @@ ends in it):
 stored under another key, or by a pool of another format, does not match;
 ``digest`` is xxh3-64 of every byte of the part before its seal, with that
 seed: the layers and the rest of the seal area, which no device transfer
-touches but which travels with the page. SGLang already depends on ``xxhash``.
+touches but which travels with the page.
 
-The storage guard seals and checks a batch chunk by chunk, beside the
-backend's own I/O (``chunked.py``); a chunk's parts go to
-``SGLANG_MXFP8_HICACHE_SEAL_THREADS`` threads (read once per pool, when its
-guard is built). One xxh3 pass is bound by what one core reads from memory
-(about 7 GB/s on the GPU hosts here) and runs outside the GIL, so threads
-digest faster, and end to end too (``docs/benchmarks.md``).
+An xxh3 pass is bound by what one core reads from memory and releases the
+GIL, so a :class:`Sealer` spreads a batch's parts over threads.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -36,16 +29,10 @@ from typing import TypeVar
 import numpy as np
 import xxhash
 
-from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.page import SEAL_CONTENT_BYTES
 
 MAGIC = b"MXHCSEAL"
-THREADS_ENV = "SGLANG_MXFP8_HICACHE_SEAL_THREADS"
-DEFAULT_THREADS = 4
-"""Threads when the variable is unset, or the cores this process may run on
-if fewer: on the H100 host 4 took a 64-page batch's check from 8.7 to 2.9 ms
-and NIXL's gets from 1.58x to 1.24x payload-only's time; 8 digest only 1.3-1.4x
-faster than 4 (each reads memory)."""
+_T = TypeVar("_T")
 
 
 def key_seed(tag: str, key: str) -> int:
@@ -68,64 +55,41 @@ def holds(part: np.ndarray, seed: int) -> bool:
     return part[-SEAL_CONTENT_BYTES:].tobytes() == _content(seed, part)
 
 
-def threads() -> int:
-    """Threads a batch's parts are sealed and checked on
-    (``SGLANG_MXFP8_HICACHE_SEAL_THREADS``; 1 seals on the caller's thread)."""
-    text = os.environ.get(THREADS_ENV, "").strip()
-    if not text:
-        return min(DEFAULT_THREADS, len(os.sched_getaffinity(0)))
-    if not text.isdigit() or int(text) < 1:
-        raise BlockScaledHiCacheConfigError(
-            f"{THREADS_ENV}={text!r}: give the threads that seal and check L3 "
-            f"pages as a whole number, 1 or more (default {DEFAULT_THREADS})."
+class Sealer:
+    """Seals and checks a batch's parts on ``threads`` threads (the
+    ``seal_threads`` setting), each thread given one run of consecutive
+    parts: a task per part would cost more in Python than the pass over a
+    small part. One thread seals on the caller's."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._executor = (
+            ThreadPoolExecutor(threads, thread_name_prefix="seal")
+            if threads > 1
+            else None
         )
-    return int(text)
 
+    def write_all(self, parts: Sequence[np.ndarray], seeds: Sequence[int]) -> None:
+        """Seals every part with its seed (``write``)."""
+        self._each(write, parts, seeds)
 
-_executors: dict[int, ThreadPoolExecutor] = {}
-_executors_lock = threading.Lock()
-_T = TypeVar("_T")
+    def hold_all(self, parts: Sequence[np.ndarray], seeds: Sequence[int]) -> list[bool]:
+        """Whether each part carries its seal (``holds``)."""
+        return self._each(holds, parts, seeds)
 
+    def _each(
+        self,
+        work: Callable[[np.ndarray, int], _T],
+        parts: Sequence[np.ndarray],
+        seeds: Sequence[int],
+    ) -> list[_T]:
+        count = min(self.threads, len(parts))
+        if self._executor is None or count <= 1:
+            return [work(part, seed) for part, seed in zip(parts, seeds, strict=True)]
+        cuts = [len(parts) * n // count for n in range(count + 1)]
 
-def _each(
-    work: Callable[[np.ndarray, int], _T], parts, seeds, pool_threads: int
-) -> list[_T]:
-    """``work(part, seed)`` for every part, on ``pool_threads`` threads (one
-    pool of them per process, whatever the batch's size), each given one
-    run of consecutive parts: a task per part would cost more in Python than
-    the xxh3 pass over a small part."""
-    count = min(pool_threads, len(parts))
-    if count <= 1:
-        return [work(part, seed) for part, seed in zip(parts, seeds, strict=True)]
-    with _executors_lock:  # storage threads of several pools may be here at once
-        if pool_threads not in _executors:
-            _executors[pool_threads] = ThreadPoolExecutor(
-                pool_threads, thread_name_prefix="seal"
-            )
-        executor = _executors[pool_threads]
-    cuts = [len(parts) * n // count for n in range(count + 1)]
+        def run(lo: int, hi: int) -> list[_T]:
+            return [work(parts[n], seeds[n]) for n in range(lo, hi)]
 
-    def run(lo: int, hi: int) -> list[_T]:
-        return [work(parts[n], seeds[n]) for n in range(lo, hi)]
-
-    runs = executor.map(run, cuts[:-1], cuts[1:])
-    return [done for run_done in runs for done in run_done]
-
-
-def write_all(
-    parts: Sequence[np.ndarray],
-    seeds: Sequence[int],
-    pool_threads: int = DEFAULT_THREADS,
-) -> None:
-    """Seals every part with its seed (``write``), on ``pool_threads``
-    threads (a pool's ``threads()``, read once when its guard is built)."""
-    _each(write, parts, seeds, pool_threads)
-
-
-def hold_all(
-    parts: Sequence[np.ndarray],
-    seeds: Sequence[int],
-    pool_threads: int = DEFAULT_THREADS,
-) -> list[bool]:
-    """Whether each part carries its seal (``holds``), on ``pool_threads``."""
-    return _each(holds, parts, seeds, pool_threads)
+        runs = self._executor.map(run, cuts[:-1], cuts[1:])
+        return [done for run_done in runs for done in run_done]

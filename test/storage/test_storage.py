@@ -20,7 +20,6 @@ fetch must keep its bytes. Test ids name the backend and the planted fault.
 from __future__ import annotations
 
 import ctypes
-import inspect
 import logging
 import os
 import signal
@@ -31,11 +30,10 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import chunked, releases, storage
-from sglang_mxfp8_hicache.host_pool import (
-    BlockScaledHiCacheConfigError,
-    MHATokenToKVPoolMXFP8Host,
-)
+from sglang_mxfp8_hicache import chunked, guards, releases, sealed, storage
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
+from sglang_mxfp8_hicache.guards import Guard
 from sglang_mxfp8_hicache.page import PART_ALIGN, STORAGE_FORMAT_VERSION, PagePart
 from sglang_mxfp8_hicache.tools.l3 import (
     LOCAL_BACKENDS,
@@ -402,71 +400,74 @@ def test_round_trip(device, make_pools, open_io, pages):
 
 
 @on_cpu
-def test_guard_sets_no_attribute_of_the_backend(device, make_pools, open_io):
-    """The backend SGLang built stays as it built it: no attribute in its
-    ``__dict__`` comes from this package, and none of its methods is replaced;
-    the guard in front of it still passes for its class."""
+def test_guard_sets_only_its_inner_calls_on_the_backend(device, make_pools, open_io):
+    """The backend SGLang built stays as it built it, but for the calls
+    between its own methods that its row of ``storage.BACKENDS`` names: the
+    guard in front of it is a plain object that reads the backend's
+    attributes as they are."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     stored = Stored(open_io(host), pages=2, seed=3)
     assert stored.fetch() == 2
     guard = stored.io.storage_backend
     backend = storage.sglang_backend(guard)
-    assert type(guard) is storage.GuardedStorage and backend is not guard
-    assert isinstance(guard, type(backend))
+    name = stored.io.backend_name
+    served = storage.BACKENDS[name]
+    if served.guard is None:
+        assert guard is backend
+        return
+    assert type(guard) is served.guard and backend is not guard
     ours = {
-        name: value
-        for name, value in vars(backend).items()
-        if name in storage.KEYED_METHODS
-        or name.startswith("_sglang_mxfp8")
-        or inspect.isroutine(value)
-        and getattr(value, "__module__", "").startswith("sglang_mxfp8_hicache")
+        attr
+        for attr, value in vars(backend).items()
+        if isinstance(getattr(getattr(value, "func", value), "__self__", None), Guard)
     }
-    assert not ours, f"{type(backend).__name__} has attributes of ours: {ours}"
+    assert ours == set(served.inner_calls or ()), name
+    backend.__dict__["_read_through_the_guard"] = 7
+    assert guard._read_through_the_guard == 7
 
 
-def test_guard_reads_the_backends_attributes_as_they_are_now():
-    """A backend's methods run with the guard as ``self``, so a method that
-    calls a guarded one calls it guarded (here the ``dynamic`` key prefix);
-    its instance attributes are read as they are at each access, written
-    through the guard or by the backend itself (the guard's dictionary is
-    the backend's), and one set on the instance over a class method wins,
-    but never over a guard."""
+def test_inner_calls_are_the_backends_and_the_guards():
+    """Each named inner call is a method of SGLang's backend class, and the
+    guard of that backend has the method that sits in it."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    for name, served in storage.BACKENDS.items():
+        for method in served.inner_calls or ():
+            assert hasattr(served.guard, f"inner_{method}"), (name, method)
+            if name != "dynamic":
+                cls = StorageBackendFactory._registry[name]["loader"]()
+                assert callable(getattr(cls, method, None)), (name, method)
+
+
+def test_prefixed_lookups_inside_the_backend():
+    """``batch_exists_v2`` of a key-prefixed backend finds KV pages through
+    its own ``batch_exists``: that call takes the prefix (once, whoever
+    calls), the keys the v2 call was given do not."""
 
     class Backend:
-        def __init__(self):
-            self.calls = 0
-
-        def batch_exists(self, keys):
+        def batch_exists(self, keys, extra_info=None):
             return list(keys)
 
-        def batch_exists_v2(self, keys):
-            self.calls += 1
-            return self.batch_exists(keys)
-
-        def batch_set(self, keys, values):
-            raise AssertionError("not called")
-
-        batch_get = batch_set
-
-        def name(self):
-            return "class"
+        def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):
+            return list(keys), self.batch_exists(keys)
 
     backend = Backend()
     pool = SimpleNamespace(storage_format_tag="tag")
-    config = SimpleNamespace(extra_config={})
-    guard = storage.GuardedStorage(backend, pool, "dynamic", config)
-    for _ in range(2):  # the second time from the method the guard kept
-        assert guard.batch_exists_v2(["a"]) == ["tag_a"]
-    assert backend.calls == 2 and guard.calls == 2
-    backend.calls = 7
-    assert guard.calls == 7
-    guard.calls = 9
-    assert backend.calls == 9 and vars(guard) is vars(backend)
-    assert guard.name() == "class"
-    backend.name = lambda: "instance"
-    assert guard.name() == "instance"
-    backend.batch_exists = lambda keys: ["unguarded"]
+    settings = SimpleNamespace(seal_threads=1, l3_chunk_pages=0)
+    guard = guards.SealedGuard(
+        backend, pool, settings, ("batch_exists",), prefix="tag_"
+    )
     assert guard.batch_exists(["a"]) == ["tag_a"]
+    assert guard.batch_exists_v2(["a"]) == (["a"], ["tag_a"])
+    info = SimpleNamespace(prefix_keys=["p"])
+    backend.batch_exists = guard.inner_batch_exists.__get__(guard)
+    assert guard.inner_batch_exists(
+        lambda keys, i: (keys, i.prefix_keys), ["a"], info
+    ) == (
+        ["tag_a"],
+        ["tag_p"],
+    )
+    assert info.prefix_keys == ["p"]
 
 
 def test_mooncake_read_of_a_shorter_object_is_not_a_read():
@@ -475,16 +476,12 @@ def test_mooncake_read_of_a_shorter_object_is_not_a_read():
     as read, so a shorter object comes back as the guard's WRONG_LENGTH;
     whole objects and Mooncake's own errors pass as they are, buffers split
     over several pointers count their sum."""
-    counts = [100, 60, storage.MOONCAKE_OBJECT_NOT_FOUND, 30]
-
-    def read_into(keys, pointers, sizes):
-        return counts
-
+    counts = [100, 60, guards.MOONCAKE_OBJECT_NOT_FOUND, 30]
+    store = SimpleNamespace(_get_batch_zero_copy_impl=lambda keys, ptrs, sizes: counts)
+    guards.MooncakeGuard(store, None, None, ("_get_batch_zero_copy_impl",))
     sizes = [100, 100, 100, [10, 20]]
-    got = storage._mooncake_lengths_checked(
-        read_into, None, list("abcd"), [0] * 4, sizes
-    )
-    assert got == [100, storage.WRONG_LENGTH, storage.MOONCAKE_OBJECT_NOT_FOUND, 30]
+    got = store._get_batch_zero_copy_impl(list("abcd"), [0] * 4, sizes)
+    assert got == [100, guards.WRONG_LENGTH, guards.MOONCAKE_OBJECT_NOT_FOUND, 30]
 
 
 def test_every_private_sglang_name_the_guards_read_exists():
@@ -529,7 +526,7 @@ def test_sglang_failure_injector_wraps_the_guard(
     stored = Stored(open_io(host), pages=2, seed=4)
     injector = stored.io.storage_backend
     assert isinstance(injector, HiCacheStorageFailureInjector)
-    assert type(injector._backend) is storage.GuardedStorage
+    assert isinstance(injector._backend, guards.Guard)
     assert stored.fetch() == 2
     stored.check(2)
 
@@ -682,7 +679,7 @@ def test_mooncake_pointers_lie_in_registered_buffers(
 
 
 def _file_path(io: StoragePageIO, key: str) -> str:
-    return storage.file_page_path(io.storage_backend, key)
+    return guards.file_page_path(io.storage_backend, key)
 
 
 def _mooncake_keys(io: StoragePageIO, key: str) -> tuple[str, str]:
@@ -726,14 +723,14 @@ def _plant_nixl(io: StoragePageIO, key: str, fault: str, other: str) -> None:
     ``other_page`` copies page ``other``'s files over its own (a page nothing
     plants: two planted pages copying each other would end as they began)."""
     backend = io.storage_backend
-    [k_path, v_path] = storage.nixl_page_paths(backend, [key])
+    [k_path, v_path] = guards.nixl_page_paths(backend, [key])
     if fault == "missing":
         os.remove(k_path)
         os.remove(v_path)
         return
     size = os.path.getsize(k_path)
     if fault == "other_page":
-        other_paths = storage.nixl_page_paths(backend, [other])
+        other_paths = guards.nixl_page_paths(backend, [other])
         for source, target in zip(other_paths, (k_path, v_path), strict=True):
             with open(source, "rb") as f, open(target, "wb") as g:
                 g.write(f.read())
@@ -830,7 +827,7 @@ def _flip(io: StoragePageIO, key: str, where: str) -> None:
     offset = _flipped_offset(io, where)
     backend = io.storage_backend
     if io.backend_name == "nixl":
-        path, start = storage.nixl_page_paths(backend, [key])[0], 0
+        path, start = guards.nixl_page_paths(backend, [key])[0], 0
     elif io.backend_name == "hf3fs":
         tag = io.storage_host_pool.storage_format_tag
         [slot] = backend.metadata_client.get_page_indices(
@@ -897,7 +894,7 @@ FAULTS = [
     ("seaweedfs", "longer"),
     ("seaweedfs", "other_geometry"),
     ("seaweedfs", "missing"),
-    # A single flipped bit, on every sealed backend (storage.SEALED_BACKENDS).
+    # A single flipped bit, on every sealed backend (storage.BACKENDS).
     *(
         (backend, f"flipped_{where}")
         for backend in ("nixl", "hf3fs", "dynamic", "dynamic_v1")
@@ -933,12 +930,12 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     # parallel, past a bad one: into the prefetch's own host pages, which
     # SGLang frees past the last that arrived.
     past_a_miss = stored.io.zero_copy and backend[0] in (
-        *storage.SEALED_BACKENDS,
+        *(name for name, served in storage.BACKENDS.items() if served.sealed),
         "mooncake",
         "seaweedfs",
     )
     stored.check(2, misses_kept=not past_a_miss)
-    ours = [r.getMessage() for r in caplog.records if r.name == storage.__name__]
+    ours = [r.getMessage() for r in caplog.records if r.name == sealed.__name__]
     if fault == "missing" or backend[0] == "seaweedfs":
         # The backend's miss, logged by SGLang (SeaweedFS checks sizes itself).
         assert ours == []
@@ -958,7 +955,7 @@ def test_bad_page_in_a_later_chunk_is_a_miss(
     (``chunked.py``): page 12, in the second chunk, has one flipped payload
     bit. 12 pages arrive, byte for byte, the batch logs once, and no host
     page outside the fetch changes."""
-    monkeypatch.setenv(chunked.CHUNK_PAGES_ENV, "4")
+    monkeypatch.setenv("SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES", "4")
     assert chunked.chunk_bounds(20, 4) == [(0, 10), (10, 15), (15, 20)]
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=20)
     stored = Stored(open_io(host), pages=20, seed=13)
@@ -968,7 +965,7 @@ def test_bad_page_in_a_later_chunk_is_a_miss(
         arrived = stored.fetch()
     assert arrived == 12
     stored.check(12, misses_kept=not stored.io.zero_copy)
-    ours = [r.getMessage() for r in caplog.records if r.name == storage.__name__]
+    ours = [r.getMessage() for r in caplog.records if r.name == sealed.__name__]
     [line] = ours
     assert "1 of 20 pages in this batch" in line and "unsealed" in line
 
@@ -986,7 +983,7 @@ def test_chunks_are_read_and_written_with_their_prefix_keys(
     it was."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
-    monkeypatch.setenv(chunked.CHUNK_PAGES_ENV, "4")
+    monkeypatch.setenv("SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES", "4")
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=20)
     calls = []
     store = dict_l3_backend.DictStoreV1
@@ -1034,7 +1031,7 @@ def test_dynamic_backend_error_is_a_miss(make_pools, open_io, backend, caplog):
     with caplog.at_level(logging.WARNING):
         assert stored.fetch() == 0
     stored.check(0)
-    ours = [r.getMessage() for r in caplog.records if r.name == storage.__name__]
+    ours = [r.getMessage() for r in caplog.records if r.name == sealed.__name__]
     assert len(ours) == 1 and "dict store unreachable" in ours[0]
 
 
@@ -1071,7 +1068,7 @@ def test_nixl_moves_whole_parts_with_and_without_o_direct(
             stored = Stored(io, pages=3, seed=9)
             assert stored.fetch() == 3
             stored.check(3)
-            paths = storage.nixl_page_paths(nixl, stored.hashes)
+            paths = guards.nixl_page_paths(nixl, stored.hashes)
             one_file = part if nixl.is_zero_copy else host.host_page
             assert {os.path.getsize(path) for path in paths} == {one_file.span_bytes}
         finally:

@@ -526,9 +526,7 @@ def run(
     """One mode and setup; on ``device="cpu"`` the caller has put CPU stand-ins
     for the kernels in place (the tests do)."""
     if mode != "ours":
-        from sglang_mxfp8_hicache.plugin import DISABLE_ENV
-
-        os.environ[DISABLE_ENV] = "1"
+        os.environ["SGLANG_MXFP8_HICACHE_DISABLE"] = "1"
     from sglang.srt.plugins import load_plugins
 
     load_plugins()

@@ -9,8 +9,8 @@ side, median of 5 reps, more under 16 pages) once per local backend, seal
 thread count (``SGLANG_MXFP8_HICACHE_SEAL_THREADS``) and smallest chunk of a
 sealed batch (``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES``; 0: one call) in one
 process, and times, inside the same runs, what ours does that payload-only
-does not: ``seal.write_all`` on
-puts, ``seal.hold_all`` on gets (the xxh3 passes), and the rest of the
+does not: ``seal.Sealer.write_all`` on
+puts, ``seal.Sealer.hold_all`` on gets (the xxh3 passes), and the rest of the
 guard's own work (the whole guarded call less the backend's calls and the
 seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS-cCHUNK.json``
 under ``--out`` and prints one JSON object of the split, per run and
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sglang_mxfp8_hicache import chunked, seal, storage
+from sglang_mxfp8_hicache import seal, sealed, settings, storage
 from sglang_mxfp8_hicache.tools import bench_l3
 from testkit import dict_l3_backend
 
@@ -59,22 +59,25 @@ def _timed(name: str, fn: Callable[..., Any], pages_of: Callable[..., int]):
 
 
 def _install() -> None:
-    """Timers around the seal passes, the guarded calls of ours, and the
-    backend's own call inside each (the size checks' reads included)."""
-    seal.write_all = _timed("seal", seal.write_all, lambda parts, *a: len(parts) // 2)
-    seal.hold_all = _timed("check", seal.hold_all, lambda parts, *a: len(parts) // 2)
-    for name in ("_sealed_set_v1", "_sealed_set", "_checked_get_v1", "_checked_get"):
-        kind = "put" if "set" in name else "get"
-        guarded = getattr(storage, name)
+    """Timers around the seal passes, the sealed puts and gets of ours, and
+    the backend's own call inside each (the size checks' reads included)."""
+    seal.Sealer.write_all = _timed(
+        "seal", seal.Sealer.write_all, lambda self, parts, *a: len(parts) // 2
+    )
+    seal.Sealer.hold_all = _timed(
+        "check", seal.Sealer.hold_all, lambda self, parts, *a: len(parts) // 2
+    )
+    for kind in ("put", "get"):
+        guarded = getattr(sealed.SealedBatches, kind)
 
-        def with_backend_timed(call, pool, keys, *a, _g=guarded, _k=kind, **kw):
+        def with_backend_timed(self, call, batch, _g=guarded, _k=kind):
             inner = _timed(f"backend {_k}", call, lambda k, *a, **kw: len(k))
-            return _g(inner, pool, keys, *a, **kw)
+            return _g(self, inner, batch)
 
         timed = _timed(
-            f"guarded {kind}", with_backend_timed, lambda c, p, k, *a, **kw: len(k)
+            f"guarded {kind}", with_backend_timed, lambda s, c, batch: len(batch.keys)
         )
-        setattr(storage, name, timed)
+        setattr(sealed.SealedBatches, kind, timed)
 
 
 def main() -> None:
@@ -89,8 +92,8 @@ def main() -> None:
     parser.add_argument("--no-seal", action="store_true")
     args = parser.parse_args()
     if args.no_seal:
-        seal.write_all = lambda parts, *args: None
-        seal.hold_all = lambda parts, *args: [True] * len(parts)
+        seal.Sealer.write_all = lambda self, parts, seeds: None
+        seal.Sealer.hold_all = lambda self, parts, seeds: [True] * len(parts)
     if args.device == "cpu":
         from _pytest.monkeypatch import MonkeyPatch
 
@@ -109,12 +112,13 @@ def main() -> None:
         for threads in threads_list
         for smallest in chunks_list
         # what is not sealed: one run
-        if backend.removesuffix("_v1") in storage.SEALED_BACKENDS
+        if storage.BACKENDS[backend.removesuffix("_v1")].sealed
         or (threads, smallest) == (threads_list[0], chunks_list[0])
     ]
     for backend, threads, smallest in runs:
-        os.environ[seal.THREADS_ENV] = str(threads)
-        os.environ[chunked.CHUNK_PAGES_ENV] = str(smallest)
+        os.environ["SGLANG_MXFP8_HICACHE_SEAL_THREADS"] = str(threads)
+        os.environ["SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES"] = str(smallest)
+        settings.current.cache_clear()
         _spent.clear()
         config = args.l3_config
         dict_l3_backend.STORE.clear()  # bench --l3 removes nothing a class holds

@@ -11,13 +11,11 @@ import time
 import pytest
 
 from sglang_mxfp8_hicache.chunked import (
-    CHUNK_PAGES_ENV,
     ChunkedCalls,
     chunk_bounds,
     growing_chunk_bounds,
-    smallest_chunk_pages,
 )
-from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.settings import Settings
 
 SMALLEST = 4
 
@@ -171,10 +169,8 @@ def test_a_write_that_raises_ends_the_batch():
     assert sealed == [0, 5] and written == []
 
 
-def test_chunks_are_off_unless_asked(monkeypatch):
-    monkeypatch.delenv(CHUNK_PAGES_ENV, raising=False)
-    assert smallest_chunk_pages() == 0
-    calls = ChunkedCalls("test-read", smallest_chunk_pages())
+def test_chunks_are_off_unless_asked():
+    calls = ChunkedCalls("test-read", Settings.from_environ({}).l3_chunk_pages)
     reads = []
 
     def read(start, end):
@@ -183,12 +179,3 @@ def test_chunks_are_off_unless_asked(monkeypatch):
 
     assert calls.read_checked(128, read, lambda s, e, r: len(r))[0] == 128
     assert reads == [(0, 128)]
-    monkeypatch.setenv(CHUNK_PAGES_ENV, " 8 ")
-    assert smallest_chunk_pages() == 8
-
-
-@pytest.mark.parametrize("value", ["-4", "many", "1.5"])
-def test_chunk_pages_refuses_a_bad_value(monkeypatch, value):
-    monkeypatch.setenv(CHUNK_PAGES_ENV, value)
-    with pytest.raises(BlockScaledHiCacheConfigError, match=CHUNK_PAGES_ENV):
-        smallest_chunk_pages()

@@ -18,6 +18,8 @@ import torch
 from sglang_mxfp8_hicache import plugin, releases
 from testkit import script
 
+DISABLE_ENV = "SGLANG_MXFP8_HICACHE_DISABLE"
+
 OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 SGLANG_MXFP8 = "sglang.srt.mem_cache.pool_host.mha_mxfp8.MHATokenToKVPoolMXFP8Host"
 SGLANG_PLAIN = "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"
@@ -64,12 +66,12 @@ def test_plugin_dispatch_in_fresh_process(order):
 
 
 def test_plugin_disabled_by_environment():
-    chosen, log = run_dispatch("plugins_first", **{plugin.DISABLE_ENV: "1"})
+    chosen, log = run_dispatch("plugins_first", **{DISABLE_ENV: "1"})
     assert chosen["mxfp8/mha"] == SGLANG_MXFP8
     assert chosen["mxfp8/assembler"] == SGLANG_MXFP8
     assert chosen["bf16/mha"] == SGLANG_PLAIN
     assert chosen["storage/factory"] == "sglang"
-    assert f"disabled by {plugin.DISABLE_ENV}" in log
+    assert f"disabled by {DISABLE_ENV}" in log
 
 
 @pytest.fixture
@@ -80,7 +82,7 @@ def recorded_hooks(monkeypatch):
     monkeypatch.setattr(HookRegistry, "register", lambda *a, **kw: calls.append(a))
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "_refusing", False)
-    monkeypatch.delenv(plugin.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
     return calls
 
 
@@ -355,6 +357,53 @@ def test_flags_refused_when_sglang_resolves_them():
             assert says in result, (name, result)
 
 
+BAD_SETTINGS = [
+    ("SGLANG_MXFP8_HICACHE_STAGING_MB", "-1"),
+    ("SGLANG_MXFP8_HICACHE_STAGING_MB", "100000000000"),
+    ("SGLANG_MXFP8_HICACHE_SEAL_THREADS", "0"),
+    ("SGLANG_MXFP8_HICACHE_SEAL_THREADS", "abc"),
+    ("SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES", "\u00b2"),
+    ("SGLANG_MXFP8_HICACHE_DISABLE", "banana"),
+]
+_RESOLVE_WITH_SETTING = """
+import json, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+from sglang_mxfp8_hicache import settings
+base = ["--model-path", "dummy", "--kv-cache-dtype", "mxfp8", "--page-size", "128",
+        "--enable-hierarchical-cache"]
+for name, value in json.loads(sys.argv[1]):
+    os.environ[name] = value
+    settings.current.cache_clear()
+    try:
+        prepare_server_args(base).resolve_once()
+        print(json.dumps(None))
+    except Exception as exc:
+        print(json.dumps(f"{type(exc).__name__}: {exc}"))
+    del os.environ[name]
+"""
+
+
+def test_bad_settings_refused_when_sglang_resolves_the_flags():
+    """A variable's bad value stops a block-scaled launch with HiCache when
+    SGLang resolves its arguments, before a model loads: one line naming the
+    variable, the value and what it accepts. A good value passes."""
+    cases = [*BAD_SETTINGS, ("SGLANG_MXFP8_HICACHE_SEAL_THREADS", "8")]
+    done = subprocess.run(
+        [sys.executable, "-c", _RESOLVE_WITH_SETTING, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    *refused, served = [json.loads(line) for line in done.stdout.splitlines()]
+    for (name, value), result in zip(BAD_SETTINGS, refused, strict=True):
+        said = f"BlockScaledHiCacheConfigError: {name}={value!r} is not accepted: give"
+        assert result.startswith(said) and "\n" not in result, result
+    assert served is None
+
+
 def test_launch_server_refuses_flags_before_the_model():
     """``python -m sglang.launch_server`` with a refused flag exits with the
     reason as soon as its arguments are resolved, before a model is loaded
@@ -384,17 +433,6 @@ def test_launch_server_refuses_flags_before_the_model():
         if line.startswith("sglang_mxfp8_hicache.errors.BlockScaledHiCacheConfigError")
     ]
     assert "set --page-size 128" in line
-
-
-def test_old_error_name_still_catches():
-    """Code written against the first name of the error still catches it."""
-    from sglang_mxfp8_hicache.errors import (
-        BlockScaledHiCacheConfigError,
-        MXFP8HiCacheConfigError,
-    )
-    from sglang_mxfp8_hicache.host_pool import MXFP8HiCacheConfigError as exported
-
-    assert MXFP8HiCacheConfigError is BlockScaledHiCacheConfigError is exported
 
 
 @pytest.mark.parametrize("mla", [False, True])

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sglang_mxfp8_hicache import storage
+from sglang_mxfp8_hicache import guards, storage
 from sglang_mxfp8_hicache.tools.l3 import (
     FILE_DIR_ENV,
     LOCAL_BACKENDS,
@@ -134,9 +134,9 @@ def _remove(
         return
     if io.backend_name in ("file", "nixl"):
         paths = (
-            [storage.file_page_path(backend, key) for key in hashes]
+            [guards.file_page_path(backend, key) for key in hashes]
             if io.backend_name == "file"
-            else storage.nixl_page_paths(backend, hashes)
+            else guards.nixl_page_paths(backend, hashes)
         )
         for path in paths:
             with contextlib.suppress(FileNotFoundError):

@@ -127,10 +127,10 @@ def print_dispatch() -> None:
 
 
 def _check_dispatch() -> tuple[str, str]:
-    from sglang_mxfp8_hicache.plugin import DISABLE_ENV, is_disabled
+    from sglang_mxfp8_hicache import settings
 
-    if is_disabled():
-        return FAIL, f"{DISABLE_ENV} is set: SGLang keeps its own host pool"
+    if settings.current().disable:
+        return FAIL, "SGLANG_MXFP8_HICACHE_DISABLE is set: SGLang keeps its own host pool"
     code = "from sglang_mxfp8_hicache.tools.cli import print_dispatch; print_dispatch()"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600

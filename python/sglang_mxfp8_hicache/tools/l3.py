@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sglang_mxfp8_hicache import releases
-from sglang_mxfp8_hicache.storage import ZERO_COPY_BACKENDS
+from sglang_mxfp8_hicache.storage import BACKENDS
 
 LOCAL_BACKENDS = ("file", "hf3fs", "nixl")
 """Backends that run in this process with their data in a local directory."""
@@ -147,7 +147,7 @@ class StoragePageIO:
         )
         backend = StorageBackendFactory.create_backend(backend_name, config, host_pool)
         backend.register_mem_pool_host(host_pool)
-        zero_copy = backend_name in ZERO_COPY_BACKENDS or (
+        zero_copy = BACKENDS[backend_name].zero_copy or (
             backend_name == "dynamic" and bool(config.extra_config.get("interface_v1"))
         )
         return cls(backend_name, backend, host_pool, zero_copy)
