@@ -140,29 +140,20 @@ class ScaleGeometry:
         return self.head_dim // self.fmt.sf_block
 
     @property
-    def bytes_per_token(self) -> int:
-        """Scale bytes per token."""
-        return self.head_num * self.sf_dim
-
-    @property
-    def page_bytes(self) -> int:
-        """Scale bytes per page: one contiguous device run."""
-        return self.bytes_per_token * self.page_size
-
-    @property
     def payload_head_bytes(self) -> int:
         """Payload bytes of one head and token: the device rows' real width
         (half a byte per element for FP4, where ``MHABufferInfo`` counts one)."""
         return self.fmt.payload_bytes(self.head_dim)
 
-    @property
-    def payload_bytes_per_token(self) -> int:
-        return self.head_num * self.payload_head_bytes
-
-    @property
-    def payload_page_bytes(self) -> int:
-        """Payload bytes per page: one contiguous device run."""
-        return self.payload_bytes_per_token * self.page_size
+    # Per token and per page (one contiguous device run each): scales, payload.
+    bytes_per_token = property(lambda self: self.head_num * self.sf_dim)
+    page_bytes = property(lambda self: self.bytes_per_token * self.page_size)
+    payload_bytes_per_token = property(
+        lambda self: self.head_num * self.payload_head_bytes
+    )
+    payload_page_bytes = property(
+        lambda self: self.payload_bytes_per_token * self.page_size
+    )
 
     @classmethod
     def from_device_scales(

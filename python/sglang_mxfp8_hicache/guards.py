@@ -49,6 +49,7 @@ class Guard:
     ) -> None:
         self._backend = backend
         self.pool = pool
+        self.settings = settings
         for name in inner_calls:
             own = getattr(backend, name)
             setattr(
@@ -173,16 +174,9 @@ class SealedGuard(Guard):
     ``prefix`` (the pool's format tag), every key the controller gives it
     takes the prefix, and so do the ``prefix_keys`` of its extra info."""
 
-    def __init__(
-        self,
-        backend: Any,
-        pool: Any,
-        settings: Settings,
-        inner_calls: Sequence[str] = (),
-        prefix: str = "",
-    ) -> None:
-        super().__init__(backend, pool, settings, inner_calls)
-        self.sealed = SealedBatches(pool, settings)
+    def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sealed = SealedBatches(self.pool, self.settings)
         self.prefix = prefix
 
     def _keys(self, keys: Sequence[str]) -> list[str]:

@@ -53,9 +53,8 @@ from functools import cached_property
 from sglang_mxfp8_hicache.geometry import ScaleFormat, ScaleGeometry
 
 STORAGE_FORMAT_VERSION = 4
-"""Bumped whenever the bytes of a stored page change meaning; it is in the keys.
-Version 1 kept the scales of a page apart from its payload; version 2 had no
-seals; version 3 had seals of one page_size multiple, parts not in 4 KiB blocks."""
+"""Bumped whenever the bytes of a stored page change meaning; it is in the keys,
+so a page of another version is a miss."""
 
 SEAL_CONTENT_BYTES = 24
 """What a seal holds (``seal.py``): a magic word, the key's seed, the digest."""

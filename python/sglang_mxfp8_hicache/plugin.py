@@ -1,36 +1,28 @@
 """SGLang plugin: route block-scaled (MXFP8, FP4) device pools to our HiCache host pool.
 
-SGLang calls ``load_plugins()`` at the start of every process it spawns
-(scheduler, engine, launcher); that loads the ``sglang.srt.plugins`` entry point
-``mxfp8_hicache`` -> :func:`register`, which hooks
-``sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls``. The hook answers
-``MHATokenToKVPoolMXFP8Host`` (ours, one class for every format in
-``geometry.FORMATS``) for a block-scaled device pool, in place of the class
-SGLang would pick itself, and SGLang's own answer for everything else; and it
-refuses, wherever a host stack is built, a device pool whose nvfp4 scales live
-outside what a host pool is given (``refuse_native_fp4_scales``).
-It also hooks SGLang's storage backend factory (see ``storage``): for our pools
-it refuses, by name, a backend that cannot carry block-scaled pages, and makes
-a stored page of the wrong size a miss on the backends it allows; and it keeps
-SGLang from allocating GPU staging for its payload write-back kernel, which
-our pools never use (``skip_payload_staging``). Flags a pool would refuse stop
-a launch as soon as SGLang has resolved them (``refuse_unserved_flags``). With
-``--hicache-io-backend kernel`` the controllers hand our pools their host
-indices where the radix tree keeps them, on the CPU
-(``keep_host_indices_on_cpu``): a staged transfer addresses host pages from
-the CPU, and those indices would otherwise be uploaded for every transfer.
+SGLang calls ``load_plugins()`` at the start of every process it spawns;
+that loads the ``sglang.srt.plugins`` entry point ``mxfp8_hicache`` ->
+:func:`register`, which installs these hooks (all AROUND but one: the
+registry rebinds every module-level alias of a target, so a hook calls the
+original it is handed, never an alias):
 
-On an SGLang release this package does not serve (``releases.SUPPORTED_SGLANG_VERSIONS``)
-none of that is installed: one hook refuses a block-scaled KV cache with HiCache
-when SGLang resolves its arguments (``refuse_on_unserved_release``), and every
-other setup is left to SGLang.
+- ``get_mha_host_pool_cls``: ``MHATokenToKVPoolMXFP8Host`` for a block-scaled
+  device pool, SGLang's own answer for everything else (``select_host_pool_cls``);
+- the assembler's ``_mha_host_inputs``: a device pool whose nvfp4 scales live
+  outside what a host pool is given is refused (``refuse_native_fp4_scales``);
+- the storage backend factory: the L3 guards (``storage``);
+- ``prepare_hicache_staging`` / ``prepare_mha_write_back_staging``: no GPU
+  staging for SGLang's payload write-back kernel, which our pools never use;
+  ours is reserved there instead, before the KV budget is measured;
+- ``ServerArgs.resolve_once`` (AFTER): flags a pool would refuse, and a bad
+  value of a variable of ``settings``, stop a launch before a model loads;
+- the controllers' index moves: with ``--hicache-io-backend kernel`` our
+  pools get their host indices where the radix tree keeps them, on the CPU.
 
-Environment:
-    SGLANG_MXFP8_HICACHE_DISABLE=1   register nothing; SGLang picks its own class.
-
-The hook is AROUND, so it receives the original function as an argument: the
-registry rebinds every module-level alias of the original (ours included), and a
-hook that called such an alias would call itself.
+On a release this package does not serve (``releases.SUPPORTED_SGLANG_VERSIONS``)
+only the last-but-one is installed, refusing a block-scaled KV cache with
+HiCache (``refuse_on_unserved_release``); every other setup is left to SGLang.
+``SGLANG_MXFP8_HICACHE_DISABLE=1`` registers nothing.
 """
 
 from __future__ import annotations

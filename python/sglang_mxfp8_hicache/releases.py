@@ -238,34 +238,18 @@ def built_from_device_pool(cls: type) -> type:
     def __init__(
         self,
         device_pool,
-        host_to_device_ratio: float,
-        host_size: int,
-        page_size: int,
-        layout: str,
-        pin_memory: bool = True,
-        device: str = "cpu",
-        allocator_type: str = "default",
-        *,
+        *geometry: Any,
         mtp_draft_device_pools: Sequence[Any] = (),
         pool_label: str = "kv",
     ) -> None:
+        """``geometry``: the ratio, host size, page size, layout, pin_memory,
+        device and allocator type, as the release passes them."""
         # Read by the release's base pool (its layer ownership helpers).
         self.device_pool = device_pool
         self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
         inputs = host_pool_inputs(device_pool, mtp_draft_device_pools)
-        cls.__init__(
-            self,
-            inputs.pop("buffer_info"),
-            host_to_device_ratio,
-            host_size,
-            page_size,
-            layout,
-            pin_memory,
-            device,
-            allocator_type,
-            pool_label=pool_label,
-            **inputs,
-        )
+        buffer_info = inputs.pop("buffer_info")
+        cls.__init__(self, buffer_info, *geometry, pool_label=pool_label, **inputs)
 
     return type(
         cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__}
