@@ -32,8 +32,8 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import chunked, guards, releases, sealed, storage
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
-from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.guards import Guard
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.page import PART_ALIGN, STORAGE_FORMAT_VERSION, PagePart
 from sglang_mxfp8_hicache.tools.l3 import (
     LOCAL_BACKENDS,
@@ -426,19 +426,6 @@ def test_guard_sets_only_its_inner_calls_on_the_backend(device, make_pools, open
     assert guard._read_through_the_guard == 7
 
 
-def test_inner_calls_are_the_backends_and_the_guards():
-    """Each named inner call is a method of SGLang's backend class, and the
-    guard of that backend has the method that sits in it."""
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-    for name, served in storage.BACKENDS.items():
-        for method in served.inner_calls or ():
-            assert hasattr(served.guard, f"inner_{method}"), (name, method)
-            if name != "dynamic":
-                cls = StorageBackendFactory._registry[name]["loader"]()
-                assert callable(getattr(cls, method, None)), (name, method)
-
-
 def test_prefixed_lookups_inside_the_backend():
     """``batch_exists_v2`` of a key-prefixed backend finds KV pages through
     its own ``batch_exists``: that call takes the prefix (once, whoever
@@ -482,33 +469,6 @@ def test_mooncake_read_of_a_shorter_object_is_not_a_read():
     sizes = [100, 100, 100, [10, 20]]
     got = store._get_batch_zero_copy_impl(list("abcd"), [0] * 4, sizes)
     assert got == [100, guards.WRONG_LENGTH, guards.MOONCAKE_OBJECT_NOT_FOUND, 30]
-
-
-def test_every_private_sglang_name_the_guards_read_exists():
-    """A release that renames one of them fails here, naming it."""
-    from sglang.srt.mem_cache.hicache_storage import (
-        HiCacheFile,
-        HiCacheStorageFailureInjector,
-    )
-    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import (
-        MooncakeStore,
-    )
-    from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
-
-    classes = {
-        c.__name__: c
-        for c in (
-            HiCacheFile,
-            HiCacheNixl,
-            MooncakeStore,
-            HiCacheStorageFailureInjector,
-        )
-    }
-    for dotted in storage.SGLANG_PRIVATE_NAMES:
-        owner, name = dotted.split(".")
-        cls = classes[owner]
-        found = hasattr(cls, name) or name in getattr(cls, "__annotations__", {})
-        assert found, f"SGLang's {owner} has no {name} any more: {dotted} moved"
 
 
 @on_cpu
