@@ -1,28 +1,31 @@
 """The core a server imports never imports the tools a person runs, no module
-imports another in a circle, and the toolbox stays small."""
+imports another in a circle, core and toolbox stay within their line budgets,
+and only ``settings.py`` reads the package's environment variables."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from testkit import ROOT
 
-CORE = (
-    "plugin",
-    "host_pool",
-    "geometry",
-    "page",
-    "transfer",
-    "sizing",
-    "storage",
-    "refusals",
-    "errors",
-    "seal",
-    "releases",
-)
+PACKAGE = ROOT / "python" / "sglang_mxfp8_hicache"
+CORE = tuple(sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"))
+"""The modules a server imports: every module of the package but ``tools/``."""
+CORE_LINE_BUDGET = 3600
+"""Lines of ``python/sglang_mxfp8_hicache/*.py``: the plugin, the page, the
+pool, the movers, the L3 guards, the settings and the release adapter."""
+TOOLS_LINE_BUDGET = 2950
+"""Lines of ``tools/*.py``: check (with its own round trip), size (with its
+planner), and the L2 and L3 benches (timing beside the forward pass
+included); the tests' builders and full round trip are in ``test/testkit/``."""
+SETTINGS = "settings.py"
+VARIABLE_PREFIX = "SGLANG_MXFP8_HICACHE_"
 
 
 def test_core_imports_no_tools():
@@ -38,13 +41,6 @@ def test_core_imports_no_tools():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
-
-
-PACKAGE = ROOT / "python" / "sglang_mxfp8_hicache"
-TOOLS_LINE_BUDGET = 2500
-"""Lines of ``tools/*.py``: check (with its own round trip), size, and the L2
-and L3 benches (timing beside the forward pass included); the tests' builders
-and full round trip are in ``test/testkit/``."""
 
 
 def _imports(path: Path) -> set[str]:
@@ -85,67 +81,112 @@ def test_no_module_imports_another_in_a_circle():
     assert not {i for n in core for i in graph[n] if ".tools." in i}
 
 
+def _lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_core_stays_small():
+    """The core within its budget: what only tools or tests use lives with them."""
+    lines = _lines(PACKAGE.glob("*.py"))
+    assert lines <= CORE_LINE_BUDGET, lines
+
+
 def test_tools_stay_small():
-    """The toolbox stays within its budget: what only tests use lives in
+    """The toolbox within its budget: what only tests use lives in
     ``test/testkit/``."""
-    lines = sum(
-        len(p.read_text().splitlines()) for p in (PACKAGE / "tools").glob("*.py")
-    )
+    lines = _lines((PACKAGE / "tools").glob("*.py"))
     assert lines <= TOOLS_LINE_BUDGET, lines
 
 
-def test_readme_install_works_from_any_clone_and_as_root():
-    """The install steps name no folder a clone may not have made, and say
-    what to run where ``sudo`` is absent (a root shell)."""
-    readme = (PACKAGE.parent.parent / "README.md").read_text()
-    install = readme.split("## Install", 1)[1].split("## ", 1)[0]
-    assert "cd sglang-mxfp8-hicache" not in install
-    assert "sudo apt-get install" in install and "root shell" in install
-    assert "## Commands" in readme and "about 45 minutes on 2" in readme
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the string nodes that are statements of their own
+    (docstrings, and attribute docstrings after an assignment)."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
 
 
-def test_benchmarks_doc_is_the_current_tables_only():
-    """docs/benchmarks.md holds the method, the current tables and a paragraph
-    per design choice, no history: 150 lines at most."""
-    doc = (PACKAGE.parent.parent / "docs" / "benchmarks.md").read_text()
-    assert len(doc.splitlines()) <= 150
+def _environ_access(node: ast.AST) -> bool:
+    """``os.environ``, ``os.getenv``, ``os.putenv`` or a bare ``environ`` /
+    ``getenv`` (``from os import environ``)."""
+    names = ("environ", "getenv", "putenv", "environb")
+    if isinstance(node, ast.Attribute):
+        return node.attr in names
+    return isinstance(node, ast.Name) and node.id in names
 
 
-def test_l3_tables_are_the_committed_runs():
-    """Each row of the L3 tables in docs/benchmarks.md (the CI machine's, then
-    the GPU host's) is its committed JSON: every ratio, bold where it meets
-    its goal, and the cells met."""
-    import re
+def package_variable_reads(source: str, *, core: bool) -> list[str]:
+    """Where ``source`` names or reads one of the package's environment
+    variables itself, each as ``line N: what``:
 
-    import msgspec
+    - a string that is a bare variable name (``"SGLANG_MXFP8_HICACHE_X"``,
+      or the prefix alone, an f-string's literal part included): the name
+      of a variable held as data, to be read; a message that names one among
+      other words, and a docstring, are not;
+    - in a core module, any use of ``os.environ`` or ``os.getenv``: the
+      core's settings come from ``settings.Settings``.
+    """
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    bare = re.compile(rf"\s*{VARIABLE_PREFIX}\w*\s*")
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+            and bare.fullmatch(node.value)
+        ):
+            found.append(f"line {node.lineno}: the name {node.value.strip()!r}")
+        elif core and _environ_access(node):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
 
-    from sglang_mxfp8_hicache.tools.results import L3_DIRECTIONS, Report
 
-    root = PACKAGE.parent.parent
-    doc = (root / "docs" / "benchmarks.md").read_text()
-    section = doc.split("**L3, every served backend**")[1].split("\n## ")[0]
-    cpu, gpu = [b for b in section.split("\n\n") if b.startswith("| backend")]
+def test_only_settings_reads_the_package_variables():
+    """No core or tools module but ``settings.py`` names a variable of the
+    package as data or, in the core, touches ``os.environ``: the settings
+    are read once, checked, and handed to what uses them."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).as_posix() == SETTINGS:
+            continue
+        core = path.parent == PACKAGE
+        reads = package_variable_reads(path.read_text(), core=core)
+        if reads:
+            found[path.relative_to(PACKAGE).as_posix()] = reads
+    assert not found
 
-    for table, host, count in ((cpu, "cpu", 7), (gpu, "h100", 5)):
-        rows = [line for line in table.splitlines() if line.startswith("| `")]
-        assert len(rows) == count
-        for row in rows:
-            label, *cells, met = [c.strip() for c in row.strip("|").split("|")]
-            backend = re.match(r"`(\w+)`", label).group(1)
-            data = (
-                root / "docs" / "data" / f"bench-l3-{backend}-{host}.json"
-            ).read_bytes()
-            report = msgspec.json.decode(data, type=Report)
-            assert [c.pages for c in report.cells] == [1, 4, 16, 64, 256]
-            expected = [
-                " / ".join(
-                    f"**{c.ratio(d):.2f}**"
-                    if c.ratio(d) <= c.goal
-                    else f"{c.ratio(d):.2f}"
-                    for d in L3_DIRECTIONS
-                )
-                for c in report.cells
-            ]
-            assert cells == expected, label
-            held = sum(len(L3_DIRECTIONS) - len(c.missed()) for c in report.cells)
-            assert met == f"{held}/10", label
+
+@pytest.mark.parametrize(
+    ("source", "core", "reads"),
+    [
+        ('import os\nos.environ.get("SGLANG_MXFP8_HICACHE_STAGING_MB")', True, 2),
+        ('import os\nos.getenv("SGLANG_MXFP8_HICACHE_X", "1")', False, 1),
+        ('NAME = "SGLANG_MXFP8_HICACHE_DISABLE"', False, 1),
+        ('def f(n):\n    return f"SGLANG_MXFP8_HICACHE_{n}"', False, 1),
+        ("from os import environ\nvalue = environ['HOME']", True, 1),
+        ("import os\nos.environ.get('HOME')", False, 0),
+        ('"""Reads ``SGLANG_MXFP8_HICACHE_DISABLE``."""', True, 0),
+        ('X = 1\n"""set by SGLANG_MXFP8_HICACHE_X"""', True, 0),
+        ('raise ValueError("SGLANG_MXFP8_HICACHE_X=2 is not accepted")', True, 0),
+        ('def f(n):\n    return f"{n} set by SGLANG_MXFP8_HICACHE_X"', True, 0),
+    ],
+    ids=[
+        "core_environ_get",
+        "tools_getenv_by_name",
+        "name_as_data",
+        "name_built",
+        "core_from_os_import",
+        "tools_other_variable",
+        "docstring",
+        "attribute_docstring",
+        "error_message",
+        "log_message",
+    ],
+)
+def test_variable_reads_are_found(source, core, reads):
+    """The check above finds what it must and lets messages be."""
+    assert len(package_variable_reads(source, core=core)) == reads
