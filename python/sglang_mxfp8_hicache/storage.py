@@ -210,12 +210,14 @@ def guard_storage_backend(
     injector_type = releases.failure_injector_type()
     injector = built if injector_type and isinstance(built, injector_type) else None
     backend = injector._backend if injector is not None else built
-    if served.guard is None or isinstance(backend, guards.Guard):
-        return built  # nothing to guard, or the hook ran twice around one build
+    if isinstance(backend, guards.Guard):  # the hook ran twice around one build
+        return built
+    _log_guard(pool, backend_name, served, current)
+    if served.guard is None:
+        return built
     prefix = {"prefix": f"{pool.storage_format_tag}_"} if served.key_prefixed else {}
     inner_calls = tuple(served.inner_calls or ())
     guarded = served.guard(backend, pool, current, inner_calls, **prefix)
-    _log_guard(pool, backend_name, served, current)
     if injector is None:
         return guarded
     return type(injector)(guarded, injector._random_delay_limit, injector._failure_prob)
