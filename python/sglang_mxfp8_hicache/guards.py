@@ -48,8 +48,8 @@ class Guard:
         inner_calls: Sequence[str] = (),
     ) -> None:
         self._backend = backend
-        self.pool = pool
-        self.settings = settings
+        self._pool = pool
+        self._settings = settings
         for name in inner_calls:
             own = getattr(backend, name)
             setattr(
@@ -176,15 +176,15 @@ class SealedGuard(Guard):
 
     def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.sealed = SealedBatches(self.pool, self.settings)
-        self.prefix = prefix
+        self._sealed = SealedBatches(self._pool, self._settings)
+        self._prefix = prefix
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
-        return [self.prefix + key for key in keys]
+        return [self._prefix + key for key in keys]
 
     def _info(self, extra_info: Any) -> Any:
         prefix_keys = getattr(extra_info, "prefix_keys", None)
-        if not self.prefix or prefix_keys is None:
+        if not self._prefix or prefix_keys is None:
             return extra_info
         return with_prefix_keys(extra_info, self._keys(prefix_keys))
 
@@ -193,21 +193,26 @@ class SealedGuard(Guard):
         return own(self._keys(keys), self._info(extra_info))
 
     def batch_set(self, keys, values, *args: Any, **kwargs: Any) -> bool:
-        batch = FlatPages(self.pool, self._keys(keys), values)
+        batch = FlatPages(self._pool, keys, values, prefix=self._prefix)
         if args or kwargs:  # not the controller's call: one chunk
-            self.sealed.seal(batch, 0, len(keys))
-            return self._backend.batch_set(batch.keys, values, *args, **kwargs)
-        return all(self.sealed.put(self._backend.batch_set, batch))
+            self._sealed.seal(batch, 0, len(keys))
+            return self._backend.batch_set(batch.stored_keys, values, *args, **kwargs)
+        return all(self._sealed.put(self._backend.batch_set, batch))
 
     def batch_get(self, keys, target_locations, target_sizes=None):
-        batch = FlatPages(self.pool, self._keys(keys), target_locations, target_sizes)
-        return self.sealed.get(self._backend.batch_get, batch)
+        batch = FlatPages(
+            self._pool, keys, target_locations, target_sizes, prefix=self._prefix
+        )
+        return self._sealed.get(self._backend.batch_get, batch)
+
+    def _host_pages(self, keys, host_indices, extra_info) -> HostPages:
+        info = self._info(extra_info)
+        return HostPages(self._pool, keys, host_indices, info, prefix=self._prefix)
 
     def batch_set_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
-        batch = HostPages(
-            self.pool, self._keys(keys), host_indices, self._info(extra_info)
+        replies = self._sealed.put(
+            self._write_v1, self._host_pages(keys, host_indices, extra_info)
         )
-        replies = self.sealed.put(self._write_v1, batch)
         return [written for reply in replies for written in reply]
 
     def _write_v1(self, keys, host_indices, extra_info) -> list[bool]:
@@ -216,10 +221,8 @@ class SealedGuard(Guard):
         return [*reply[: len(keys)], *[False] * (len(keys) - len(reply))]
 
     def batch_get_v1(self, keys, host_indices, extra_info=None) -> list[bool]:
-        batch = HostPages(
-            self.pool, self._keys(keys), host_indices, self._info(extra_info)
-        )
-        return self.sealed.get(self._read_v1, batch)
+        batch = self._host_pages(keys, host_indices, extra_info)
+        return self._sealed.get(self._read_v1, batch)
 
     def _read_v1(self, keys, host_indices, extra_info) -> list[bool]:
         return self._backend.batch_get_v1(keys, host_indices, extra_info)
@@ -249,7 +252,7 @@ class NixlGuard(SealedGuard):
             len(results) >= len(keys) and all(results[: len(keys)])
         ):
             return results  # an object plugin, or all read: the seals judge
-        page = self.pool.host_page
+        page = self._pool.host_page
         paths = nixl_page_paths(backend, keys)
         sizes = [page.span_bytes]
         if backend.is_zero_copy:

@@ -118,15 +118,23 @@ def chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:
 
 class FlatPages:
     """A ``batch_get`` / ``batch_set`` batch: one flat page per key (views of
-    host pages on a put, the controller's read targets on a get)."""
+    host pages on a put, the controller's read targets on a get). ``keys``
+    are the controller's, which the seals are made under; the backend is
+    given them with ``prefix``."""
 
     def __init__(
-        self, pool: Any, keys: Sequence[str], pages: Sequence[torch.Tensor], sizes=None
+        self,
+        pool: Any,
+        keys: Sequence[str],
+        pages: Sequence[torch.Tensor],
+        sizes=None,
+        prefix: str = "",
     ) -> None:
         self.pool, self.keys, self.pages, self.sizes = pool, keys, pages, sizes
+        self.stored_keys = [prefix + key for key in keys]
 
     def call(self, method: Callable[..., Any], start: int, end: int) -> Any:
-        args = [self.keys[start:end], self.pages[start:end]]
+        args = [self.stored_keys[start:end], self.pages[start:end]]
         if self.sizes is not None:
             args.append(self.sizes[start:end])
         return method(*args)
@@ -163,7 +171,8 @@ class FlatPages:
 
 class HostPages:
     """A ``batch_get_v1`` / ``batch_set_v1`` batch: the host indices of the
-    pool's pages, which the backend reads into and writes from in place."""
+    pool's pages, which the backend reads into and writes from in place.
+    ``keys`` as :class:`FlatPages`'; ``extra_info`` as the backend is given it."""
 
     def __init__(
         self,
@@ -171,17 +180,21 @@ class HostPages:
         keys: Sequence[str],
         host_indices: torch.Tensor,
         extra_info=None,
+        prefix: str = "",
     ) -> None:
         self.pool, self.keys, self.extra_info = pool, keys, extra_info
         self.host_indices = host_indices
+        self.stored_keys = [prefix + key for key in keys]
 
     def _indices(self, start: int, end: int) -> torch.Tensor:
         page_size = self.pool.page_size
         return self.host_indices[start * page_size : end * page_size]
 
     def call(self, method: Callable[..., Any], start: int, end: int) -> Any:
-        extra_info = chunk_extra_info(self.extra_info, self.keys, start)
-        return method(self.keys[start:end], self._indices(start, end), extra_info)
+        extra_info = chunk_extra_info(self.extra_info, self.stored_keys, start)
+        return method(
+            self.stored_keys[start:end], self._indices(start, end), extra_info
+        )
 
     def parts(self, start: int, end: int) -> list[PageParts]:
         """Slices of one uint8 view of the pool's pages: no tensor per page."""

@@ -30,7 +30,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import chunked, guards, releases, sealed, storage
+from sglang_mxfp8_hicache import chunked, guards, releases, seal, sealed, storage
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.guards import Guard
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
@@ -455,6 +455,29 @@ def test_prefixed_lookups_inside_the_backend():
         ["tag_p"],
     )
     assert info.prefix_keys == ["p"]
+
+
+def test_prefixed_backend_seals_under_the_controllers_key():
+    """A key-prefixed backend stores a page under the prefixed key, sealed
+    under the controller's key: the seal a page carries does not depend on
+    the prefix."""
+    stored = {}
+
+    class Backend:
+        def batch_set(self, keys, values):
+            stored.update(zip(keys, values, strict=True))
+            return True
+
+    host_page = SimpleNamespace(k_part=SimpleNamespace(span_bytes=4096))
+    pool = SimpleNamespace(host_page=host_page, storage_format_tag="tag")
+    settings = SimpleNamespace(seal_threads=1, l3_chunk_pages=0)
+    guard = guards.SealedGuard(Backend(), pool, settings, prefix="tag_")
+    page = torch.randint(0, 256, (8192,), dtype=torch.uint8)
+    assert guard.batch_set(["abc"], [page])
+    [(key, value)] = stored.items()
+    data, seed = value.numpy(), seal.key_seed("tag", "abc")
+    assert key == "tag_abc"
+    assert seal.holds(data[:4096], seed) and seal.holds(data[4096:], seed)
 
 
 def test_mooncake_read_of_a_shorter_object_is_not_a_read():
