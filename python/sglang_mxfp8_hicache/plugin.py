@@ -41,22 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HOOK_TARGET = "sglang.srt.mem_cache.pool_host.mha.get_mha_host_pool_cls"
-HOST_INPUTS_HOOK_TARGET = (
-    "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs"
-)
-STAGING_HOOK_TARGET = (
-    "sglang.srt.mem_cache.pool_host.mha.prepare_mha_write_back_staging"
-)
-PRE_SIZING_HOOK_TARGET = "sglang.srt.mem_cache.kv_cache_builder.prepare_hicache_staging"
 SERVER_ARGS_HOOK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
-MOVE_INDICES_HOOK_TARGET = (
-    "sglang.srt.managers.cache_controller.HiCacheController.move_indices"
-)
-MOVE_POOL_INDICES_HOOK_TARGET = (
-    "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller."
-    "HybridCacheController._move_pool_indices"
-)
 _registered = False
 _refusing = False
 """Set once the refusal of an unserved release is registered."""
@@ -380,27 +365,44 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    for target, hook, hook_type in served_hooks():
+        HookRegistry.register(target, hook, HookType[hook_type])
+    _registered = True
+
+
+def served_hooks() -> list[tuple[str, Callable[..., Any], str]]:
+    """(target, hook, ``HookType`` name) of every hook on a served release."""
     from sglang_mxfp8_hicache import storage
 
-    HookRegistry.register(HOOK_TARGET, select_host_pool_cls, HookType.AROUND)
-    if not releases.builds_from_device_pool():  # else select_host_pool_cls refuses
-        HookRegistry.register(
-            HOST_INPUTS_HOOK_TARGET, refuse_native_fp4_scales, HookType.AROUND
-        )
-    HookRegistry.register(
-        storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend, HookType.AROUND
-    )
-    HookRegistry.register(STAGING_HOOK_TARGET, skip_payload_staging, HookType.AROUND)
-    HookRegistry.register(
-        PRE_SIZING_HOOK_TARGET, mark_staging_preparation, HookType.AROUND
-    )
-    HookRegistry.register(
-        SERVER_ARGS_HOOK_TARGET, refuse_unserved_flags, HookType.AFTER
-    )
-    HookRegistry.register(
-        MOVE_INDICES_HOOK_TARGET, keep_host_indices_on_cpu, HookType.AROUND
-    )
-    HookRegistry.register(
-        MOVE_POOL_INDICES_HOOK_TARGET, keep_pool_host_indices_on_cpu, HookType.AROUND
-    )
-    _registered = True
+    srt = "sglang.srt."
+    hooks = [
+        (f"{srt}mem_cache.pool_host.mha.get_mha_host_pool_cls", select_host_pool_cls),
+        (
+            f"{srt}mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs",
+            refuse_native_fp4_scales,
+        ),
+        (storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend),
+        (
+            f"{srt}mem_cache.pool_host.mha.prepare_mha_write_back_staging",
+            skip_payload_staging,
+        ),
+        (
+            f"{srt}mem_cache.kv_cache_builder.prepare_hicache_staging",
+            mark_staging_preparation,
+        ),
+        (SERVER_ARGS_HOOK_TARGET, refuse_unserved_flags),
+        (
+            f"{srt}managers.cache_controller.HiCacheController.move_indices",
+            keep_host_indices_on_cpu,
+        ),
+        (
+            f"{srt}mem_cache.hybrid_cache.hybrid_cache_controller."
+            "HybridCacheController._move_pool_indices",
+            keep_pool_host_indices_on_cpu,
+        ),
+    ]
+    if releases.builds_from_device_pool():  # no _mha_host_inputs: the selector refuses
+        del hooks[1]
+    return [
+        (t, h, "AFTER" if h is refuse_unserved_flags else "AROUND") for t, h in hooks
+    ]

@@ -1,28 +1,9 @@
 """Every environment variable the package reads: one frozen :class:`Settings`,
-read and checked once per process.
-
-=====================================  =======  ==========  =====================================
-variable                               default  accepts     what it sets
-=====================================  =======  ==========  =====================================
-``SGLANG_MXFP8_HICACHE_DISABLE``       off      1/0, true/  register no hook; SGLang picks its
-                                                false, yes/ own host pool
-                                                no, on/off
-``SGLANG_MXFP8_HICACHE_STAGING_MB``    128      0-65536     device staging per GPU, both
-                                                            directions (0: every transfer by SM
-                                                            copies)
-``SGLANG_MXFP8_HICACHE_SEAL_THREADS``  4 [*]_   1-256       threads that seal and check a sealed
-                                                            L3 batch
-``SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES`` 0       0-65536     smallest chunk of a sealed L3 batch
-                                                            (0: one backend call per batch)
-=====================================  =======  ==========  =====================================
-
-.. [*] or the cores this process may run on, if fewer.
-
-A value outside what a variable accepts raises
+read and checked once per process (:func:`current`), then handed to what uses
+it. :data:`VARIABLES` is the table of variables, their bounds and defaults
+(``docs/configuration.md``); a value outside them raises
 :class:`~sglang_mxfp8_hicache.errors.BlockScaledHiCacheConfigError` with one
-line naming the variable, the value and what it accepts. The plugin reads the
-settings when SGLang loads it and hands them to what uses them; no other
-module reads these variables.
+line naming the variable, the value and what it accepts.
 """
 
 from __future__ import annotations

@@ -87,26 +87,34 @@ def recorded_hooks(monkeypatch):
 
 
 def test_register_is_idempotent(recorded_hooks):
-    from sglang_mxfp8_hicache import storage
-
     plugin.register()
     plugin.register()
-    assert [call[0] for call in recorded_hooks] == [
-        plugin.HOOK_TARGET,
-        # Where the release has _mha_host_inputs (0.5.23); else the first hook refuses.
-        *(
-            []
-            if releases.builds_from_device_pool()
-            else [plugin.HOST_INPUTS_HOOK_TARGET]
-        ),
-        storage.FACTORY_HOOK_TARGET,
-        plugin.STAGING_HOOK_TARGET,
-        plugin.PRE_SIZING_HOOK_TARGET,
-        plugin.SERVER_ARGS_HOOK_TARGET,
-        plugin.MOVE_INDICES_HOOK_TARGET,
-        plugin.MOVE_POOL_INDICES_HOOK_TARGET,
-    ]
+    targets = [call[0] for call in recorded_hooks]
+    assert targets == [target for target, _, _ in plugin.served_hooks()]
+    # Where the release has _mha_host_inputs (0.5.23); else the selector refuses.
+    inputs = any(t.endswith("._mha_host_inputs") for t in targets)
+    assert inputs != releases.builds_from_device_pool()
+    assert len(targets) == 8 - (not inputs)
     assert plugin.is_registered()
+
+
+def test_every_hook_target_resolves():
+    """Each target names a function or method of the installed SGLang: one
+    that did not resolve would only be logged by SGLang's registry."""
+    import importlib
+
+    for target, hook, hook_type in plugin.served_hooks():
+        parts = target.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        assert callable(found) and callable(hook), target
+        assert hook_type in ("AROUND", "AFTER")
 
 
 @pytest.mark.parametrize(
