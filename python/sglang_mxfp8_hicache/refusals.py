@@ -12,9 +12,10 @@ the same first refusal:
 - the plugin, right after SGLang resolves its server arguments
   (``ServerArgs.resolve_once``, flags only): ``launch_server`` with flags the
   pool cannot serve fails within seconds, before a model loads;
-- the pool's constructor (``host_pool``): flags and the device pool's shape;
-  it then checks what only the device buffers tell (scale layout, drafts,
-  contiguity);
+- the pool's constructor (:func:`plan_pool`): the running server's flags
+  (:func:`server_flags`) and the device pool's shape; then what only the
+  device buffers tell (:data:`BUFFER_CHECKS`: page size, drafts, scale
+  layout, contiguity);
 - the storage factory hook (``storage``): the pool's flags and shape, with the
   backend being built;
 - ``size``: the flags and the model's shape, for its bytes per token.
@@ -22,15 +23,25 @@ the same first refusal:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sglang_mxfp8_hicache import releases
 from sglang_mxfp8_hicache.errors import refusal_error
-from sglang_mxfp8_hicache.geometry import FORMATS, INTERLEAVED_PAGE_SIZE, ScaleGeometry
-from sglang_mxfp8_hicache.page import HostPage
+from sglang_mxfp8_hicache.geometry import (
+    FORMATS,
+    INTERLEAVED_PAGE_SIZE,
+    ScaleFormat,
+    ScaleGeometry,
+    buffer_scale_format,
+    is_packed_fp4,
+)
+from sglang_mxfp8_hicache.page import PARTS, HostPage
 from sglang_mxfp8_hicache.storage import NO_STORAGE, storage_refusal
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 
 SERVED_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
 """Host layouts SGLang offers for MHA pools, all served: ``page_head`` by the
@@ -119,7 +130,7 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         lambda f, _: (
             f"--kv-cache-dtype {f.kv_cache_dtype} at --page-size "
-            f"{f.page_size}: SGLang 0.5.23 builds such pools with per-token scales, "
+            f"{f.page_size}: SGLang {releases.NEWEST} builds such pools with per-token scales, "
             "but none of its write paths writes them (set_kv_buffer needs the "
             f"page-interleaved scales of page_size {INTERLEAVED_PAGE_SIZE}), so "
             f"there is nothing to serve; set --page-size {INTERLEAVED_PAGE_SIZE}."
@@ -179,7 +190,7 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         lambda f, s: (
             f"K head_dim {s.head_dim} != V head_dim {s.v_head_dim}, and SGLang "
-            "0.5.23's FP4 KV pool builds V's payload and scales at K's head_dim "
+            f"{releases.NEWEST}'s FP4 KV pool builds V's payload and scales at K's head_dim "
             "(its quant method's create_buffers takes one head_dim), so the device "
             "V rows are not the V heads; SGLang serves no asymmetric FP4 KV cache. "
             "Use --kv-cache-dtype mxfp8 for this model."
@@ -227,3 +238,180 @@ def plan_page(flags: HiCacheFlags, shape: PageShape) -> HostPage | Refused:
         layer_num=shape.layer_num,
         heads_major=flags.mem_layout == HEADS_MAJOR_LAYOUT,
     )
+
+
+# -- the pool's constructor: the running server, then the device buffers ---------
+
+
+def configured_io_backend() -> str | None:
+    """`--hicache-io-backend` of the running server, or None outside a server."""
+    from sglang.srt.runtime_context import get_memory
+
+    try:
+        return get_memory().hicache_io_backend
+    except (ValueError, AttributeError):
+        return None
+
+
+def decode_host_receive() -> bool:
+    """Whether the running server receives PD decode KV into the host pool."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        threshold = get_disagg().disaggregation_decode_host_receive_threshold
+        return releases.decode_host_receive(threshold)
+    except (ValueError, AttributeError):
+        return False
+
+
+def platform_kernels() -> bool:
+    """Whether this platform runs SGLang's JIT HiCache kernels."""
+    from sglang.srt.platforms import current_platform
+
+    return releases.hicache_device_kernels(current_platform)
+
+
+def server_flags(
+    kv_cache_dtype: str, page_size: int, mem_layout: str, storage_backend: str
+) -> HiCacheFlags:
+    """The flags of a pool being built: its own, then what the running server
+    says of its io backend, PD host receive and platform kernels."""
+    return HiCacheFlags(
+        kv_cache_dtype=kv_cache_dtype,
+        page_size=page_size,
+        mem_layout=mem_layout,
+        io_backend=configured_io_backend() or "kernel",
+        storage_backend=storage_backend,
+        decode_host_receive=decode_host_receive(),
+        device_kernels=platform_kernels(),
+    )
+
+
+def buffer_format(info: MHABufferInfo, pool_label: str) -> ScaleFormat:
+    """The device pool's format, or the refusal of a pool without scales."""
+    fmt = buffer_scale_format(info)
+    if fmt is not None:
+        return fmt
+    if is_packed_fp4(info):
+        reason = (
+            "the FP4 device pool reports no per-token scale buffers: its "
+            "scales are nvfp4's native trtllm_mha layout (SM100), which "
+            "SGLang keeps outside the buffers a host pool is given, or it "
+            "has none. A host tier would restore pages without them; use "
+            "--attention-backend flashinfer (per-token scales), or run "
+            "without --enable-hierarchical-cache."
+        )
+    else:
+        reason = (
+            "the device pool has no scale buffers of a format this host pool "
+            f"serves (--kv-cache-dtype {', '.join(FORMATS)})."
+        )
+    raise refusal_error(reason, "block-scaled", pool_label)
+
+
+@dataclass(frozen=True)
+class DeviceBuffers:
+    """What a pool is handed: the target's buffers, its packed MTP/NextN
+    drafts (tail layers of its pages) and the host page size, checked against
+    the planned page. Each check gives its refusal's reason, or None."""
+
+    info: MHABufferInfo
+    drafts: Sequence[MHABufferInfo]
+    page: HostPage
+    page_size: int
+
+    def page_size_reason(self) -> str | None:
+        if self.page_size == self.info.page_size:
+            return None
+        return (
+            f"host page_size {self.page_size} != device page_size "
+            f"{self.info.page_size}; a host page must hold exactly one device "
+            "page. Give both the same --page-size."
+        )
+
+    def drafts_reason(self) -> str | None:
+        info, name = self.info, self.page.fmt.name
+        heads = (info.head_num, info.head_dim, info.v_head_dim)
+        for depth, draft in enumerate(self.drafts):
+            draft_heads = (draft.head_num, draft.head_dim, draft.v_head_dim)
+            if buffer_scale_format(draft) != self.page.fmt or draft_heads != heads:
+                return (
+                    f"packed draft layer {depth} is not a layer of the target's "
+                    f"format ({name}) and heads; give the draft the target's "
+                    f"--kv-cache-dtype {name}, or drop --speculative-algorithm or "
+                    "--enable-hierarchical-cache."
+                )
+        return None
+
+    def scale_layout_reason(self) -> str | None:
+        """The device scales are laid out as the planned page's."""
+        page, scales = self.page, self.info.scales
+        try:
+            for side, scale, geometry in (
+                ("k", scales.k[0], page.k),
+                ("v", scales.v[0], page.v),
+            ):
+                ScaleGeometry.from_device_scales(
+                    scale,
+                    fmt=page.fmt,
+                    head_num=geometry.head_num,
+                    head_dim=geometry.head_dim,
+                    page_size=self.page_size,
+                    side=side,
+                )
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def contiguity_reason(self) -> str | None:
+        run_bytes = dict(zip(PARTS, self.page.run_bytes(), strict=True))
+        for info in (self.info, *self.drafts):
+            runs = (("k_payload", info.buffers.k), ("k_scales", info.scales.k))
+            runs += (("v_payload", info.buffers.v), ("v_scales", info.scales.v))
+            for part, buffers in runs:
+                for buf in buffers:
+                    whole = buf.numel() * buf.element_size() % run_bytes[part] == 0
+                    if buf.is_contiguous() and whole:
+                        continue
+                    return (
+                        f"a device {part} buffer {tuple(buf.shape)} is not whole "
+                        f"contiguous pages of {run_bytes[part]} B (strided rows "
+                        "of a unified KV pool, which no block-scaled device pool "
+                        "builds); run without --enable-hierarchical-cache."
+                    )
+        return None
+
+
+BUFFER_CHECKS = (
+    DeviceBuffers.page_size_reason,
+    DeviceBuffers.drafts_reason,
+    DeviceBuffers.scale_layout_reason,
+    DeviceBuffers.contiguity_reason,
+)
+"""What only the device buffers tell, in the order a refusal names it."""
+
+
+def plan_pool(
+    infos: Sequence[MHABufferInfo],
+    page_size: int,
+    layout: str,
+    allocator_type: str,
+    pool_label: str,
+) -> tuple[HiCacheFlags, PageShape, HostPage]:
+    """The flags, shape and page of a pool of ``infos`` (the target's device
+    buffers, then its packed drafts'), before a byte is allocated; raises the
+    first refusal: the plan's (:func:`plan_page`), then the buffers'."""
+    info, *drafts = infos
+    fmt = buffer_format(info, pool_label)
+    flags = server_flags(fmt.name, info.page_size, layout, allocator_type)
+    layers = len(info.buffers.k) + len(drafts)
+    shape = PageShape(info.head_num, info.head_dim, info.v_head_dim, layers)
+    page = plan_page(flags, shape)
+    if isinstance(page, Refused):
+        raise page.error(fmt.name, pool_label)
+    buffers = DeviceBuffers(info, drafts, page, page_size)
+    for check in BUFFER_CHECKS:
+        reason = check(buffers)
+        if reason is not None:
+            raise refusal_error(reason, fmt.name, pool_label)
+    return flags, shape, page

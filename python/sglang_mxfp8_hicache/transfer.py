@@ -1,53 +1,39 @@
-"""The kernels that move page chunks: ours, and SGLang's JIT kernels as the fallback.
+"""The movers of page chunks: our kernel, and SGLang's JIT kernel as the fallback.
 
-A transfer moves whole pages of some layers. For each (page, layer) it moves
-four runs (``page.PARTS``: K payload, K scales, V payload, V scales) between a
-device page number times the run's bytes and a host page number times the host
-page's bytes. Both movers take the same per-layer base addresses (device bases
-of the four runs, then host bases, ``PageChunkTables``) and the transfer's own
-token index tensors.
+A transfer moves whole pages of some layers: for each (page, layer), the four
+runs of ``page.PARTS`` between a device page number times the run's bytes and
+a host page number times the span's. A mover binds one pool's base addresses
+(:class:`PageChunkTables`) and answers the pool as :class:`PageChunkMover`:
 
-- :class:`PageChunkKernel` is ours (``csrc/page_chunks.cuh``, built by SGLang's
-  JIT loader): one launch per transfer (per 128 pages when indices sit on the
-  CPU), reading each page's first token index itself, so nothing is prepared
-  per transfer. It checks GPU-resident index values in the kernel: a page that
-  is not one aligned run is not moved, and the pool's next transfer raises
+- :class:`PageChunkKernel` (``csrc/page_chunks.cuh``): one launch per transfer.
+  It reads each page's token indices itself and checks GPU-resident ones: a
+  page that is not one aligned run is not moved, and the next transfer raises
   :class:`PageIndexError` (the CPU reading them would synchronise every call).
-- :class:`StagedPageChunks` is ours through device staging: the same kernel
-  moves a transfer's chunks between the device pages and a slot of a small
-  staging ring at HBM speed, and the copy engines move the staged pages
-  across the link (``csrc/staged_copies.cuh``), so the SMs the forward pass
-  runs on are held for microseconds, not for the link's milliseconds. It
-  takes transfers whose host indices are on the CPU and that are large
-  enough for the copy engines to move at the link's speed; the others go as
-  :class:`PageChunkKernel` moves them.
-- :class:`SGLangChunkKernels` is SGLang's own all-layer JIT kernel
-  (``transfer_hicache_all_layer_mla``) with page numbers as indices and one
-  pointer-table entry per (layer, slice of a run), so each element is at most
-  32 KiB: one launch per run size (two for symmetric heads, four otherwise),
-  and the page numbers are gathered on every transfer. It is what a pool uses
-  when ours does not build (another CUDA toolchain, a change in the SGLang
-  headers ours includes); it checks no index values.
+- :class:`StagedPageChunks`: that kernel between the device pages and a device
+  staging ring, and the copy engines across the link
+  (``csrc/staged_copies.cuh``), so the forward pass's SMs are not held for
+  the link's time.
+- :class:`SGLangChunkKernels`: SGLang's JIT kernel, for when ours does not build.
 
-Both refuse, before anything moves, a transfer whose index count is not whole
-pages, and index tensors on the CPU whose pages are not aligned runs.
+All refuse, before a byte moves, a transfer whose index count is not whole
+pages, and CPU index tensors whose pages are not aligned runs.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.kernels.jit.utils import cache_once, load_jit, make_cpp_args
 from sglang.kernels.ops.kvcache import hicache
 
-from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.page import PARTS, ChunkShape, HostPage, StagedLayout
 
 if TYPE_CHECKING:
@@ -61,10 +47,14 @@ STAGED_SOURCE = CSRC / "staged_copies.cuh"
 BLOCK_SIZE = 1024
 UNROLL = 4
 MAX_BLOCKS = 8
-"""Thread blocks of 1024 one launch of ours may take (``docs/benchmarks.md``)."""
+"""Thread blocks of 1024 one launch of ours may take: enough to fill the link,
+few enough to leave the forward pass its SMs (``docs/benchmarks.md``)."""
 VECTOR_BYTES = (16, 8, 4, 2, 1)
 FALLBACK_MAX_ELEMENT = 32 * 1024
 """Largest element SGLang's JIT kernels move (its TMA kernel's row limit)."""
+COPY_LANES = 8
+"""Streams a staged transfer's copies are spread over: a copy of a few
+hundred KiB is bound by its copy engine's per-copy cost, which engines share."""
 
 
 class PageIndexError(RuntimeError):
@@ -134,23 +124,32 @@ def check_transfer_pages(
             )
 
 
-class PageChunkMover(Protocol):
-    name: str
+class PageChunkMover:
+    """What a pool asks of its mover, which binds the pool's tables."""
 
-    def prepare(self, layers: range) -> object:
-        """What ``move`` needs for these layers, made once (not per transfer)."""
+    name = ""
+    min_piece_bytes = 0
+    """Staged pieces of fewer bytes move by SM copies (0: nothing is staged)."""
 
-    def move(
-        self,
-        prepared: object,
-        host_indices: torch.Tensor,
-        device_indices: torch.Tensor,
-        *,
-        to_host: bool,
-    ) -> None: ...
+    def __init__(self, tables: PageChunkTables) -> None:
+        self._tables = tables
+
+    def prepare(self, layers: range, *, by_sm: bool = False) -> object:
+        """What ``move`` needs for these layers, made once, not per transfer;
+        ``by_sm``: loads by SM copies only (a load's first group, which the
+        forward pass waits for)."""
+        raise NotImplementedError
+
+    def move(self, prepared, host_indices, device_indices, *, to_host: bool) -> None:
+        raise NotImplementedError
 
     def raise_if_refused(self) -> None:
-        """Raise if an earlier launch refused a page (see the module docstring)."""
+        """Raises if an earlier launch refused a page (module docstring)."""
+
+    def describe(self, backup: object) -> str:
+        """What the pool's log line says of staging, given the pool's
+        prepared ``backup`` of every layer: "" or a clause."""
+        return ""
 
 
 @cache_once
@@ -172,14 +171,14 @@ def page_chunks_module(vector: int) -> Module:
     )
 
 
-class PageChunkKernel:
+class PageChunkKernel(PageChunkMover):
     """Ours: one FFI call and one launch per transfer."""
 
     name = "sglang-mxfp8-hicache page_chunks"
     max_blocks = MAX_BLOCKS
 
     def __init__(self, tables: PageChunkTables) -> None:
-        self._tables = tables
+        super().__init__(tables)
         addresses = [base for layer in tables.bases for base in layer]
         fields = [field for part in tables.parts for field in part.fields()]
         self._module = page_chunks_module(
@@ -192,7 +191,7 @@ class PageChunkKernel:
         self._refused = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
         self._refused_words = self._refused.numpy()
 
-    def prepare(self, layers: range) -> torch.Tensor:
+    def prepare(self, layers: range, *, by_sm: bool = False) -> torch.Tensor:
         return self._all[layers.start : layers.stop]
 
     def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
@@ -224,41 +223,11 @@ class PageChunkKernel:
         )
 
 
-STAGING_ENV = "SGLANG_MXFP8_HICACHE_STAGING_MB"
-DEFAULT_STAGING_MB = 128
-"""Device staging per GPU, both directions: two slots of 32 MiB each way, a
-tenth of a percent of an H200, far below SGLang's own write-back staging (2 x
-64 pages of every layer's payload)."""
-COPY_LANES = 8
-"""Streams a staged transfer's copies are spread over: copies of a few
-hundred KiB are bound by each copy engine's per-copy cost, which several
-engines share (``docs/benchmarks.md``)."""
-
-
-def staging_bytes() -> int:
-    """Device staging per GPU the operator allows (``SGLANG_MXFP8_HICACHE_STAGING_MB``,
-    MiB, both directions; 0 moves every page with the SM kernel)."""
-    text = os.environ.get(STAGING_ENV, "").strip()
-    if not text:
-        return DEFAULT_STAGING_MB << 20
-    try:
-        mib = int(text)
-    except ValueError:
-        mib = -1
-    if mib < 0:
-        raise BlockScaledHiCacheConfigError(
-            f"{STAGING_ENV}={text!r}: give the device staging for block-scaled "
-            f"HiCache transfers in whole MiB (0 for none; default {DEFAULT_STAGING_MB})."
-        )
-    return mib << 20
-
-
 @dataclass
 class StagingRing:
-    """Device staging of one direction on one GPU: ``SLOTS`` slots of
-    ``slot_bytes``, shared by every block-scaled host pool of the process
-    (a server moves one transfer per direction at a time), and the copy
-    lanes that go with it (``csrc/staged_copies.cuh``)."""
+    """Device staging of one direction on one GPU and its copy lanes, shared
+    by the process's pools (a server moves one transfer per direction at a
+    time)."""
 
     SLOTS = 2
 
@@ -270,17 +239,11 @@ class StagingRing:
     def slot_bytes(self) -> int:
         return self.buffer.numel() // self.SLOTS
 
-    @property
-    def address(self) -> int:
-        return self.buffer.data_ptr()
-
     def slot_pages(self, stride: int) -> tuple[int, int]:
         """(staged pages per slot, the staged page where slot 1 begins) for
-        staged pages of ``stride`` bytes. Slot 1 begins at the first page past
-        slot 0's bytes, so each slot's pages lie within its own bytes whatever
-        the stride: the ring orders each slot's reuse by that slot's events
-        alone, which then hold for moves of any stride (a load's layer groups,
-        pools of other geometries) from any stream."""
+        staged pages of ``stride`` bytes. Each slot's pages lie within its own
+        half whatever the stride, so the events that order a slot's reuse hold
+        for moves of any stride (layer groups, other pools) from any stream."""
         second = -(-self.slot_bytes // stride)
         return self.SLOTS * self.slot_bytes // stride - second, second
 
@@ -289,16 +252,15 @@ _rings: dict[tuple[str, bool], StagingRing | None] = {}
 
 
 def staging_ring(
-    device: torch.device, module: Module, *, to_host: bool
+    device: torch.device, module: Module, staging_bytes: int, *, to_host: bool
 ) -> StagingRing | None:
-    """The process's ring of ``device`` for one direction, made on first use
-    with ``module``'s ``create_lanes`` (half of ``staging_bytes()`` each way),
-    or None if the operator allows none."""
+    """The process's ring of ``device`` for one direction (half of
+    ``staging_bytes``), made on first use; None if that leaves no slot."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), to_host)
     if key not in _rings:
-        slot = staging_bytes() // 2 // StagingRing.SLOTS // 4096 * 4096
+        slot = staging_bytes // 2 // StagingRing.SLOTS // 4096 * 4096
         ring = None
         if slot:
             buffer = torch.empty(
@@ -315,29 +277,29 @@ def staging_ring(
     return _rings[key]
 
 
-def reserve_staging(device: torch.device) -> int:
+def reserve_staging(device: torch.device, staging_bytes: int) -> int:
     """Makes the process's staging rings on a CUDA ``device`` now (SGLang
     measures the KV budget after its own staging is prepared, and these then
     count against it as that would have); their bytes."""
-    if device.type != "cuda" or not staging_bytes():
+    if device.type != "cuda" or not staging_bytes:
         return 0
     module = page_chunks_module(16)
-    rings = [staging_ring(device, module, to_host=d) for d in (True, False)]
+    rings = [
+        staging_ring(device, module, staging_bytes, to_host=d) for d in (True, False)
+    ]
     return sum(ring.buffer.numel() for ring in rings if ring is not None)
 
 
 @dataclass(frozen=True)
 class _StagedPlan:
-    """A layer range's staged move in one direction: the kernel's table with
-    the ring's staged page 0 as its host side, and the copies' pieces."""
+    """A layer range's staged move in one direction: the staged page's stride,
+    the staged pages of a slot, and the kernel's arguments before and after
+    the transfer's indices."""
 
-    ring: StagingRing
-    layout: StagedLayout
-    table: torch.Tensor
-    pieces: torch.Tensor
+    stride: int
     slot_pages: int
-    second_slot: int
-    """The staged page where slot 1 begins (``StagingRing.slot_pages``)."""
+    before: tuple
+    after: tuple
 
 
 @dataclass(frozen=True)
@@ -349,37 +311,22 @@ class StagedPrepared:
     """By direction (``to_host``); a direction without a plan moves by SM."""
 
 
-def loads_by_sm(prepared: object) -> object:
-    """``prepared`` with loads by SM copies only (a load's layer 0: the
-    forward pass waits for it, so it must arrive soonest, and it is a layer's
-    share of the load's time on the SMs)."""
-    if not isinstance(prepared, StagedPrepared):
-        return prepared
-    return StagedPrepared(
-        prepared.direct, {k: v for k, v in prepared.staged.items() if k}
-    )
-
-
 class StagedPageChunks(PageChunkKernel):
     """Ours through device staging and the copy engines (module docstring),
-    for a transfer whose host indices are on the CPU, whose bytes reach
+    for a transfer whose host indices are CPU int64, whose bytes reach
     ``min_bytes`` and whose layer range's pieces reach ``min_piece_bytes``;
     every other transfer moves as :class:`PageChunkKernel` moves it."""
 
     name = "sglang-mxfp8-hicache page_chunks through device staging"
     min_bytes = 4 << 20
-    """A transfer of less moves by the SM kernel: it holds SMs for under 80 us,
-    which costs a GEMM loop beside it nothing measurable, and arrives sooner
-    than a staged move, whose copies and second kernel take some 30 us to
-    start (``docs/benchmarks.md``)."""
+    """A transfer of less moves by the SM kernel: it holds the SMs too briefly
+    to slow the forward pass, and a staged move takes longer to start."""
     min_piece_bytes = 64 << 10
-    """Pieces smaller than this move by the SM kernel: the copy engines move
-    16 KiB copies at a twentieth of the link's speed (``docs/benchmarks.md``)."""
+    """The copy engines move smaller copies far below the link's speed."""
     gather_blocks_per_sm = 2
-    """Thread blocks of 1024 per SM for the staging kernel: every SM, so that it
-    holds them for the shortest time."""
+    """The staging kernel takes every SM, for the shortest time."""
 
-    def __init__(self, tables: PageChunkTables) -> None:
+    def __init__(self, tables: PageChunkTables, *, staging_bytes: int) -> None:
         super().__init__(tables)
         device = tables.device
         sms = (
@@ -389,89 +336,73 @@ class StagedPageChunks(PageChunkKernel):
         )
         self._gather_blocks = self.gather_blocks_per_sm * sms
         self._rings = {
-            to_host: staging_ring(device, self._module, to_host=to_host)
+            to_host: staging_ring(device, self._module, staging_bytes, to_host=to_host)
             for to_host in (True, False)
         }
 
-    @property
-    def rings(self) -> tuple[StagingRing | None, ...]:
-        return tuple(self._rings.values())
+    def describe(self, backup: StagedPrepared) -> str:
+        rings = [ring for ring in self._rings.values() if ring is not None]
+        said = (
+            f"; transfers of {self.min_bytes >> 20} MiB or more with host "
+            "indices on the CPU go through device staging and the copy engines "
+            f"({sum(r.buffer.numel() for r in rings) >> 20} MiB on this GPU, "
+            "shared by the process's block-scaled host pools; "
+            "SGLANG_MXFP8_HICACHE_STAGING_MB)"
+        )
+        if True not in backup.staged:
+            page = self._tables.host_stride
+            slot = max((r.slot_bytes for r in rings), default=0)
+            said += (
+                f", backups excepted: a page of {page / 2**20:.1f} MiB does not "
+                f"fit a staging slot of {slot / 2**20:.1f} MiB (it takes pages "
+                "of up to two thirds of its size)"
+            )
+        return said
 
-    @property
-    def staging_bytes(self) -> int:
-        """Device bytes of the rings this mover uses (shared with other pools)."""
-        return sum(r.buffer.numel() for r in self.rings if r is not None)
-
-    def prepare(self, layers: range) -> StagedPrepared:
+    def prepare(self, layers: range, *, by_sm: bool = False) -> StagedPrepared:
         prepared = StagedPrepared(direct=super().prepare(layers))
-        layout = self._tables.staged_layout and self._tables.staged_layout(layers)
+        tables = self._tables
+        layout = tables.staged_layout and tables.staged_layout(layers)
         if layout is None or layout.piece_bytes < self.min_piece_bytes:
             return prepared
         for to_host, ring in self._rings.items():
-            if ring is None:
+            if ring is None or (by_sm and not to_host):
                 continue
             slot_pages, second_slot = ring.slot_pages(layout.stride)
             if slot_pages < 1:
                 continue
+            address = ring.buffer.data_ptr()
             bases = [
-                (*self._tables.bases[layer][: len(PARTS)],)
-                + tuple(ring.address + off for off in offsets)
+                (*tables.bases[layer][: len(PARTS)],)
+                + tuple(address + off for off in offsets)
                 for layer, offsets in zip(layers, layout.run_offsets, strict=True)
             ]
+            table = torch.tensor(bases, dtype=torch.uint64, device=tables.device)
+            pieces = torch.tensor(layout.pieces, dtype=torch.int64)
             prepared.staged[to_host] = _StagedPlan(
-                ring=ring,
-                layout=layout,
-                table=torch.tensor(
-                    bases, dtype=torch.uint64, device=self._tables.device
-                ),
-                pieces=torch.tensor(layout.pieces, dtype=torch.int64),
-                slot_pages=slot_pages,
-                second_slot=second_slot,
+                layout.stride,
+                slot_pages,
+                (table, self._refused),
+                (self._parts, tables.heads, tables.page_size, address, layout.stride)
+                + (slot_pages, second_slot, pieces, tables.host_address)
+                + (tables.host_stride, ring.lanes, to_host, self._gather_blocks),
             )
         return prepared
 
     def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         plan = prepared.staged.get(to_host)
-        tables = self._tables
-        pages = host_indices.numel() // tables.page_size
+        pages = host_indices.numel() // self._tables.page_size
         if (
             plan is None
             or host_indices.device.type != "cpu"
             or host_indices.dtype != torch.int64
-            or pages * plan.layout.stride < self.min_bytes
+            or pages * plan.stride < self.min_bytes
         ):
             super().move(prepared.direct, host_indices, device_indices, to_host=to_host)
             return
         self._module.staged_transfer(
-            plan.table,
-            self._refused,
-            host_indices,
-            device_indices,
-            self._parts,
-            tables.heads,
-            tables.page_size,
-            plan.ring.address,
-            plan.layout.stride,
-            plan.slot_pages,
-            plan.second_slot,
-            plan.pieces,
-            tables.host_address,
-            tables.host_stride,
-            plan.ring.lanes,
-            to_host,
-            self._gather_blocks,
+            *plan.before, host_indices, device_indices, *plan.after
         )
-
-
-@dataclass(frozen=True)
-class _SGLangLaunch:
-    """One launch of SGLang's kernel: the runs of one device page size, as
-    (layer, slice) entries of ``element`` bytes."""
-
-    device_table: torch.Tensor
-    host_table: torch.Tensor
-    element: int
-    device_stride: int
 
 
 def fallback_element(run_bytes: int) -> int | None:
@@ -485,16 +416,16 @@ def fallback_element(run_bytes: int) -> int | None:
     return None
 
 
-class SGLangChunkKernels:
-    """SGLang's ``transfer_hicache_all_layer_mla`` over page numbers."""
+class SGLangChunkKernels(PageChunkMover):
+    """SGLang's ``transfer_hicache_all_layer_mla`` over page numbers, one
+    pointer-table entry per (layer, slice of a run), one launch per run size.
+    It checks no index values, so nothing is ever refused."""
 
     name = "SGLang's transfer_hicache_all_layer_mla"
 
     def __init__(self, tables: PageChunkTables) -> None:
-        self._tables = tables
+        super().__init__(tables)
         self._elements = self.check(tables.parts, tables.heads)
-        # Runs with the same device page size share a launch (K and V of
-        # symmetric heads).
         self._groups: dict[int, list[int]] = {}
         for part, size in enumerate(tables.run_bytes):
             self._groups.setdefault(size, []).append(part)
@@ -516,43 +447,32 @@ class SGLangChunkKernels:
             )
         return elements
 
-    def prepare(self, layers: range) -> list[_SGLangLaunch]:
-        tables = self._tables
-        launches = []
+    def prepare(self, layers: range, *, by_sm: bool = False) -> list[tuple]:
+        """Per run size: device and host tables, slice bytes, device stride."""
+        tables, launches = self._tables, []
         for size, parts in self._groups.items():
             element = self._elements[size]
-            slices = range(0, size, element)
             device, host = (
-                [
-                    tables.bases[layer][part + side] + offset
-                    for part in parts
-                    for layer in layers
-                    for offset in slices
-                ]
+                torch.tensor(
+                    [
+                        tables.bases[layer][part + side] + offset
+                        for part in parts
+                        for layer in layers
+                        for offset in range(0, size, element)
+                    ],
+                    dtype=torch.uint64,
+                    device=tables.device,
+                )
                 for side in (0, len(PARTS))
             )
-            launches.append(
-                _SGLangLaunch(
-                    device_table=torch.tensor(
-                        device, dtype=torch.uint64, device=tables.device
-                    ),
-                    host_table=torch.tensor(
-                        host, dtype=torch.uint64, device=tables.device
-                    ),
-                    element=element,
-                    device_stride=size,
-                )
-            )
+            launches.append((device, host, element, size))
         return launches
 
-    def _page_numbers(
-        self, host_indices: torch.Tensor, device_indices: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each page's number, both sides on the GPU in one dtype."""
+    def _page_numbers(self, host_indices, device_indices) -> list[torch.Tensor]:
+        """Each page's number, host then device side, on the GPU in one dtype."""
         page_size, device = self._tables.page_size, self._tables.device
-        dtype = (
-            device_indices.dtype if device_indices.device.type != "cpu" else torch.int64
-        )
+        on_cpu = device_indices.device.type == "cpu"
+        dtype = torch.int64 if on_cpu else device_indices.dtype
         pages = []
         for indices in (host_indices, device_indices):
             numbers = indices[::page_size] // page_size
@@ -561,16 +481,15 @@ class SGLangChunkKernels:
                     numbers = numbers.pin_memory()
                 numbers = numbers.to(device, non_blocking=True)
             pages.append(numbers.to(dtype).contiguous())
-        return pages[0], pages[1]
+        return pages
 
     def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
         check_transfer_pages(host_indices, device_indices, self._tables.page_size, what)
         host_pages, device_pages = self._page_numbers(host_indices, device_indices)
-        host_stride = self._tables.host_stride
-        for launch in prepared:
-            device = (launch.device_table, device_pages, launch.device_stride)
-            host = (launch.host_table, host_pages, host_stride)
+        for device_table, host_table, element, device_stride in prepared:
+            device = (device_table, device_pages, device_stride)
+            host = (host_table, host_pages, self._tables.host_stride)
             (src, src_pages, src_stride), (dst, dst_pages, dst_stride) = (
                 (device, host) if to_host else (host, device)
             )
@@ -581,11 +500,8 @@ class SGLangChunkKernels:
                 src_pages,
                 cache_src_stride_bytes=src_stride,
                 cache_dst_stride_bytes=dst_stride,
-                element_size=launch.element,
+                element_size=element,
             )
-
-    def raise_if_refused(self) -> None:
-        """SGLang's kernel checks no index values; nothing is ever refused."""
 
 
 MoverFactory = Callable[[PageChunkTables], PageChunkMover]
@@ -602,22 +518,28 @@ def page_vector_bytes(page: HostPage) -> int:
     return vector_bytes([*fields, page.span_bytes, *offsets])
 
 
-def choose_mover(page: HostPage, *, pool_label: str) -> MoverFactory:
-    """Ours if it builds (through device staging unless the operator allows
-    none, ``SGLANG_MXFP8_HICACHE_STAGING_MB=0``), else SGLang's JIT kernel (one
-    warning), decided before the pool allocates: what it returns binds a
-    pool's addresses."""
-    staged = staging_bytes() > 0
+def choose_mover(
+    page: HostPage, *, staging_bytes: int, pool_label: str
+) -> MoverFactory:
+    """Ours if it builds (through ``staging_bytes`` of device staging, if
+    any), else SGLang's JIT kernel (one warning), else the pool's refusal;
+    decided before the pool allocates: what it returns binds its addresses."""
     try:
         page_chunks_module(page_vector_bytes(page))
-        return StagedPageChunks if staged else PageChunkKernel
     except Exception as exc:
         ours_error = exc
+    else:
+        if staging_bytes:
+            return functools.partial(StagedPageChunks, staging_bytes=staging_bytes)
+        return PageChunkKernel
     try:
         SGLangChunkKernels.check(page.chunk_shapes(), page.heads)
     except Exception as exc:
-        raise TransferUnavailable(
-            f"no kernel moves these page chunks (ours: {ours_error}; SGLang's: {exc})"
+        raise refusal_error(
+            f"no kernel moves these page chunks (ours: {ours_error}; SGLang's: "
+            f"{exc}); run without --enable-hierarchical-cache.",
+            page.fmt.name,
+            pool_label,
         ) from exc
     logger.warning(
         "%s: the page-chunk kernel (%s) failed to build: %s. Pages move through "

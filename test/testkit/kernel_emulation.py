@@ -754,7 +754,7 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
 
     from sglang.srt.mem_cache.pool_host import mha
 
-    from sglang_mxfp8_hicache import host_pool
+    from sglang_mxfp8_hicache import refusals
 
     kernels = EmulatedKernels(PointerMap())
     monkeypatch.setattr(transfer, "page_chunks_module", kernels.page_chunks_module)
@@ -762,8 +762,8 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
     monkeypatch.setattr(transfer, "_rings", {})
     make_ring = transfer.staging_ring
 
-    def staging_ring(device, module, *, to_host):
-        ring = make_ring(device, module, to_host=to_host)
+    def staging_ring(device, module, staging_bytes, *, to_host):
+        ring = make_ring(device, module, staging_bytes, to_host=to_host)
         if ring is not None and all(
             t is not ring.buffer for t in kernels.pointers._tensors
         ):
@@ -798,7 +798,7 @@ def install_emulation(monkeypatch) -> EmulatedKernels:
     # 0.5.21's host pools gate on _is_cuda alone; later ones on the platform.
     monkeypatch.setattr(mha, "current_platform", platform, raising=False)
     monkeypatch.setattr(mha, "_is_cuda", True)
-    monkeypatch.setattr(host_pool, "current_platform", platform)
+    monkeypatch.setattr(refusals, "platform_kernels", lambda: True)
     return kernels
 
 

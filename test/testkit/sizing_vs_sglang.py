@@ -25,7 +25,7 @@ def planned(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
     from sglang_mxfp8_hicache.geometry import FORMATS
-    from sglang_mxfp8_hicache.sizing import KVPool, ModelKV, host_plan
+    from sglang_mxfp8_hicache.tools.sizing import KVPool, ModelKV, host_plan
     from testkit import e2e
 
     heads, dim = e2e.KV_HEADS, e2e.HEAD_DIM

@@ -14,10 +14,11 @@ import math
 import pytest
 import torch
 
-from sglang_mxfp8_hicache import plugin, transfer
+from sglang_mxfp8_hicache import plugin, settings, transfer
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.geometry import FORMATS, ScaleGeometry
-from sglang_mxfp8_hicache.host_pool import load_layer_groups
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
+from sglang_mxfp8_hicache.loads import load_layer_groups
 from sglang_mxfp8_hicache.page import PARTS, HostPage
 from sglang_mxfp8_hicache.tools.pools import fill_random, page_token_indices
 from testkit.pools import device_buffers, round_trip
@@ -30,20 +31,25 @@ class ForcedStaged(transfer.StagedPageChunks):
     min_piece_bytes = 0
 
 
+STAGING = "SGLANG_MXFP8_HICACHE_STAGING_MB"
+
+
 @pytest.fixture
 def ring_of(monkeypatch):
-    """``ring_of(host, pages)``: ``host`` moving through new rings whose slots
-    hold at least ``pages`` of its pages (a few more: the budget is whole MiB,
-    and slot 1 starts at a page past slot 0's bytes), with ``ForcedStaged``."""
+    """``ring_of(pages)``: our pool class moving through ``ForcedStaged`` and
+    new rings whose slots hold at least ``pages`` of its pages (a few more:
+    the budget is whole MiB, and slot 1 starts at a page past slot 0's
+    bytes)."""
+    monkeypatch.setattr(transfer, "_rings", {})
 
-    def use(host, pages: int):
-        slots = 2 * transfer.StagingRing.SLOTS  # both directions
-        mib = math.ceil(slots * (pages + 1) * host.host_page.span_bytes / 2**20)
-        monkeypatch.setenv(transfer.STAGING_ENV, str(mib))
-        monkeypatch.setattr(transfer, "_rings", {})
-        host._mover_factory = ForcedStaged
-        host._initialize_transfer_views(None, None)
-        return host
+    def use(pages: int):
+        def mover(tables: transfer.PageChunkTables) -> ForcedStaged:
+            slots = 2 * transfer.StagingRing.SLOTS  # both directions
+            mib = math.ceil(slots * (pages + 1) * tables.host_stride / 2**20)
+            return ForcedStaged(tables, staging_bytes=mib << 20)
+
+        choice = TransferChoice(mover=mover)
+        return MHATokenToKVPoolMXFP8Host.with_transfer(choice)
 
     return use
 
@@ -112,19 +118,29 @@ def test_each_slot_keeps_to_its_half_of_the_ring(stride):
     assert (second + pages) * stride <= 2 * half
 
 
-def test_staging_budget_is_the_operators(monkeypatch):
-    monkeypatch.setenv(transfer.STAGING_ENV, "64")
-    assert transfer.staging_bytes() == 64 << 20
-    monkeypatch.delenv(transfer.STAGING_ENV)
-    assert transfer.staging_bytes() == transfer.DEFAULT_STAGING_MB << 20
+@pytest.mark.parametrize("device", ["cpu"], indirect=True)
+def test_staging_budget_is_the_operators(make_pools, monkeypatch):
+    """The pool's rings hold the staging the operator allows (128 MiB unless
+    set), read through the settings; a value it does not accept refuses the
+    pool, naming the variable."""
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    assert host.settings.staging_bytes == 128 << 20
+    monkeypatch.setenv(STAGING, "64")
+    monkeypatch.setattr(transfer, "_rings", {})
+    settings.current.cache_clear()
+    _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
+    assert host.settings.staging_bytes == 64 << 20
+    rings = [ring for ring in transfer._rings.values() if ring is not None]
+    assert sum(ring.buffer.numel() for ring in rings) == 64 << 20
     for bad in ("-1", "1.5", "lots"):
-        monkeypatch.setenv(transfer.STAGING_ENV, bad)
-        with pytest.raises(BlockScaledHiCacheConfigError, match=transfer.STAGING_ENV):
-            transfer.staging_bytes()
+        monkeypatch.setenv(STAGING, bad)
+        settings.current.cache_clear()
+        with pytest.raises(BlockScaledHiCacheConfigError, match=STAGING):
+            make_pools(heads=2, head_dim=128, layers=2, pages=2)
 
 
 def test_no_staging_moves_by_sm_copies(make_pools, monkeypatch):
-    monkeypatch.setenv(transfer.STAGING_ENV, "0")
+    monkeypatch.setenv(STAGING, "0")
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
     assert type(host._mover) is transfer.PageChunkKernel
 
@@ -183,8 +199,8 @@ def test_round_trip_staged(
         layout=layout,
         kv_cache_dtype=kv_cache_dtype,
         v_head_dim=v_head_dim,
+        host_cls=ring_of(3),
     )
-    ring_of(host, 3)
     slot_pages = host._backup_prepared.staged[True].slot_pages
     assert 3 <= slot_pages < pages, "the transfer is not chunks through both slots"
     result = round_trip(
@@ -201,8 +217,9 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     load's copies wait for what came before it on the stream), and the pages
     backed up stay as they were."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
-    device_pool, host = make_pools(heads=8, head_dim=128, layers=layers, pages=pages)
-    ring_of(host, 3)
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=layers, pages=pages, host_cls=ring_of(3)
+    )
     tensors = device_buffers(device_pool)
     gen = torch.Generator(device=device).manual_seed(11)
     hosts = page_token_indices(
@@ -274,8 +291,9 @@ class _Recording:
 def test_staged_refuses_cpu_pages_before_a_byte_moves(
     make_pools, device, ring_of, kind
 ):
-    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=4)
-    ring_of(host, 2)
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=2, pages=4, host_cls=ring_of(2)
+    )
     fill_random([host.kv_buffer], torch.Generator().manual_seed(3))
     before = [
         t.view(torch.uint8).cpu().clone()
@@ -349,8 +367,9 @@ def test_pool_says_what_goes_through_staging(make_pools, monkeypatch, caplog):
     assert "go through device staging and the copy engines (128 MiB" in caplog.text
     assert "backups excepted" not in caplog.text
     caplog.clear()
-    monkeypatch.setenv(transfer.STAGING_ENV, "1")
+    monkeypatch.setenv(STAGING, "1")
     monkeypatch.setattr(transfer, "_rings", {})
+    settings.current.cache_clear()  # a server reads it once, at start
     make_pools(heads=8, head_dim=128, layers=4, pages=2)
     assert "(1 MiB on this GPU" in caplog.text
     assert (

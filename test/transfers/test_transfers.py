@@ -15,12 +15,9 @@ import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import releases, transfer
-from sglang_mxfp8_hicache.host_pool import (
-    BlockScaledHiCacheConfigError,
-    MHATokenToKVPoolMXFP8Host,
-    doubling_layer_groups,
-    load_layer_groups,
-)
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
+from sglang_mxfp8_hicache.loads import doubling_layer_groups, load_layer_groups
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
@@ -484,14 +481,14 @@ def test_load_issues_layers_no_later_than_their_call(make_pools):
             assert not any(arrived(later) for later in range(1, 6))
 
 
-MOVERS = {"ours": transfer.PageChunkKernel, "fallback": transfer.SGLangChunkKernels}
-
-
-def _use_mover(host, name: str):
-    """``host`` with the mover ``name``, its prepared tables rebuilt."""
-    host._mover_factory = MOVERS[name]
-    host._initialize_transfer_views(None, None)
-    return host
+MOVERS = {
+    name: MHATokenToKVPoolMXFP8Host.with_transfer(TransferChoice(mover=mover))
+    for name, mover in (
+        ("ours", transfer.PageChunkKernel),
+        ("fallback", transfer.SGLangChunkKernels),
+    )
+}
+"""Our pool moving its pages by one mover alone."""
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -505,8 +502,9 @@ def test_mover_moves_exactly_its_pages(
     (page_first's write path) or on the GPU."""
     if device == "cpu" and (host_indices_on == "gpu" or index_dtype != torch.int64):
         pytest.skip("no GPU: index tensors are CPU int64 here")
-    device_pool, host = make_pools(heads=8, head_dim=128, layers=3, pages=5)
-    _use_mover(host, kernel)
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=3, pages=5, host_cls=MOVERS[kernel]
+    )
     layers = range(3)
     fill_random(
         device_buffers(device_pool), torch.Generator(device=device).manual_seed(1)
@@ -616,8 +614,9 @@ def _misaligned_indices(case: str) -> tuple[torch.Tensor, torch.Tensor]:
 def test_backup_refuses_before_a_byte_moves(make_pools, device, kernel, case):
     """A backup of CPU host pages that are not whole aligned runs raises before
     any byte reaches the host."""
-    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
-    _use_mover(host, kernel)
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=2, pages=2, host_cls=MOVERS[kernel]
+    )
     fill_random([host.kv_buffer], torch.Generator().manual_seed(3))
     before = _snapshot(device_pool, host)
     host_tokens, device_tokens = _misaligned_indices(case)
@@ -635,8 +634,9 @@ def test_backup_refuses_before_a_byte_moves(make_pools, device, kernel, case):
 
 @pytest.mark.parametrize("kernel", sorted(MOVERS))
 def test_load_refuses_partial_page_before_a_byte_moves(make_pools, device, kernel):
-    device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=2)
-    _use_mover(host, kernel)
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=2, pages=2, host_cls=MOVERS[kernel]
+    )
     fill_random(
         device_buffers(device_pool), torch.Generator(device=device).manual_seed(6)
     )

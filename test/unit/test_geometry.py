@@ -2,7 +2,7 @@ import pytest
 
 from sglang_mxfp8_hicache.geometry import FP4_MX_BLOCK16, NVFP4, ScaleGeometry
 from sglang_mxfp8_hicache.page import HostPage
-from sglang_mxfp8_hicache.sizing import SizingError, dense_model, host_plan
+from sglang_mxfp8_hicache.tools.sizing import SizingError, dense_model, host_plan
 
 
 def pool_plan(model: dict, tp_size: int = 1, **kwargs):

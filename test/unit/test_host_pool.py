@@ -14,16 +14,14 @@ from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 from sglang_mxfp8_hicache import host_pool as host_pool_module
-from sglang_mxfp8_hicache import releases, storage
+from sglang_mxfp8_hicache import refusals, releases, storage
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.geometry import FORMATS
-from sglang_mxfp8_hicache.host_pool import (
-    BlockScaledHiCacheConfigError,
-    MHATokenToKVPoolMXFP8Host,
-)
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
 from sglang_mxfp8_hicache.releases import device_buffer_info, host_pool_selector_input
-from sglang_mxfp8_hicache.sizing import dense_model, host_plan
 from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
+from sglang_mxfp8_hicache.tools.sizing import dense_model, host_plan
 from testkit.pools import fp4_quant_method
 
 # Built and inspected on the CPU only: the transfers are in test_transfers.py.
@@ -96,7 +94,7 @@ def test_host_tokens_match_sizing(
 def test_asymmetric_heads_match_sizing(cpu_kernels, layout):
     """K and V head dims that differ (K 192, V 128): ``size`` plans what the
     pool allocates, each side's runs at its own head dim."""
-    from sglang_mxfp8_hicache.sizing import KVPool, ModelKV
+    from sglang_mxfp8_hicache.tools.sizing import KVPool, ModelKV
 
     device_pool = build_device_pool(
         head_num=4, head_dim=192, v_head_dim=128, layer_num=6, pages=2, device="cpu"
@@ -203,7 +201,7 @@ def test_every_layout_is_the_owned_page(make_pools, layout, caplog):
 def test_refuses_decode_host_receive(
     cpu_kernels, no_allocation, mxfp8_pool, monkeypatch
 ):
-    monkeypatch.setattr(host_pool_module, "decode_host_receive", lambda: True)
+    monkeypatch.setattr(refusals, "decode_host_receive", lambda: True)
     info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
@@ -215,9 +213,7 @@ def test_refuses_decode_host_receive(
 
 
 def test_refuses_other_io_backend(cpu_kernels, no_allocation, mxfp8_pool, monkeypatch):
-    monkeypatch.setattr(
-        host_pool_module, "configured_io_backend", lambda: "kernel_ascend"
-    )
+    monkeypatch.setattr(refusals, "configured_io_backend", lambda: "kernel_ascend")
     info = device_buffer_info(mxfp8_pool)
     with pytest.raises(
         BlockScaledHiCacheConfigError,
@@ -599,8 +595,8 @@ def test_every_path_gives_the_plans_first_refusal(cpu_kernels, monkeypatch, case
     by the plugin's check of the server flags, the pool's constructor, the
     storage factory hook (a pool built without the backend, then attaching
     it) and ``size``, as far as each knows the facts: the plan's."""
-    from sglang_mxfp8_hicache import sizing
     from sglang_mxfp8_hicache.refusals import HiCacheFlags, PageShape, refusal
+    from sglang_mxfp8_hicache.tools import sizing
 
     page_size, layout, io, backend, v_head_dim, fmt = SEVERAL_PROBLEMS[case]
     fp4 = "fp4_mx_block16" if fmt == "fp4" else fmt
@@ -610,7 +606,7 @@ def test_every_path_gives_the_plans_first_refusal(cpu_kernels, monkeypatch, case
     assert first is not None
     assert refusal(flags) in (first, None)  # the plugin, before the model
 
-    monkeypatch.setattr(host_pool_module, "configured_io_backend", lambda: io)
+    monkeypatch.setattr(refusals, "configured_io_backend", lambda: io)
     pool = build_device_pool(
         head_num=2,
         head_dim=128,

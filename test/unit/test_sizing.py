@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from sglang_mxfp8_hicache.sizing import SizingError, read_model
 from sglang_mxfp8_hicache.tools.cli import main
+from sglang_mxfp8_hicache.tools.sizing import SizingError, read_model
 from testkit import script
 
 SIZING_SETUPS = (

@@ -6,7 +6,7 @@ for a model, read through its ``ModelConfig``) and ``bench`` (L2 side by side;
 ``--l3 BACKEND``; ``--plot``).
 ``--help`` lists every flag. Bad input ends in one line on stderr and exit
 code 2, never a traceback: argparse types check each flag where it is parsed,
-:class:`~sglang_mxfp8_hicache.sizing.SizingError` a config.json or a geometry,
+:class:`~sglang_mxfp8_hicache.tools.sizing.SizingError` a config.json or a geometry,
 :class:`UsageError` the rest.
 """
 
@@ -28,7 +28,9 @@ import msgspec
 from sglang_mxfp8_hicache import __version__
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
-from sglang_mxfp8_hicache.sizing import (
+from sglang_mxfp8_hicache.tools import results
+from sglang_mxfp8_hicache.tools.results import Step
+from sglang_mxfp8_hicache.tools.sizing import (
     HICACHE_RATIO,
     MAX_NODE_HOST_BYTES,
     PAGE_SIZE,
@@ -42,8 +44,6 @@ from sglang_mxfp8_hicache.sizing import (
     host_plan,
     read_model,
 )
-from sglang_mxfp8_hicache.tools import results
-from sglang_mxfp8_hicache.tools.results import Step
 
 PROG = "sglang-mxfp8-hicache"
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
@@ -130,7 +130,8 @@ def _check_dispatch() -> tuple[str, str]:
     from sglang_mxfp8_hicache import settings
 
     if settings.current().disable:
-        return FAIL, "SGLANG_MXFP8_HICACHE_DISABLE is set: SGLang keeps its own host pool"
+        why = "SGLANG_MXFP8_HICACHE_DISABLE is set: SGLang keeps its own host pool"
+        return FAIL, why
     code = "from sglang_mxfp8_hicache.tools.cli import print_dispatch; print_dispatch()"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600

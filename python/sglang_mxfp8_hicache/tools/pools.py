@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache.sizing import PAGE_SIZE
+from sglang_mxfp8_hicache.tools.sizing import PAGE_SIZE
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
@@ -41,16 +41,9 @@ def build_device_pool(
     dtype; page 0 is its padding page."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
-    common = dict(
-        size=pages * page_size,
-        page_size=page_size,
-        head_num=head_num,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        layer_num=layer_num,
-        device=device,
-        enable_memory_saver=False,
-    )
+    common = dict(size=pages * page_size, page_size=page_size, device=device)
+    common.update(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
+    common.update(layer_num=layer_num, enable_memory_saver=False)
     if payload_dtype is not None:
         return MHATokenToKVPool(dtype=payload_dtype, **common)
     if kv_cache_dtype == "mxfp8":

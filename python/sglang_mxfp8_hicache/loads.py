@@ -1,0 +1,148 @@
+"""A load's layer groups: what each ``load_to_device_per_layer`` call issues.
+
+SGLang loads a transfer one layer call at a time, and the forward pass waits
+on layer 0 first: it goes alone, then doubling groups 1 | 2-3 | 4-7 | ...,
+merged until each is worth its launch, each issued with the first of its
+layers the transfer loads: at most 1 + ceil(log2 L) launches for L layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_mxfp8_hicache.page import HostPage
+    from sglang_mxfp8_hicache.transfer import PageChunkMover
+
+MIN_LOAD_GROUP_BYTES = 1 << 20
+"""The least a group after layer 0 carries: a smaller one gains less by
+arriving early than its launch costs (``docs/benchmarks.md``)."""
+ONE_LAUNCH_BYTES = 256 << 10
+"""A load whose layers after layer 0 carry less moves in one launch: the link
+moves them in about the time a second launch takes to issue."""
+
+LayerGroups = Callable[..., list[range]]
+"""``(layer_num, layer_bytes, *, min_layers)`` to a load's layer groups."""
+_Plan = tuple[list[object], dict[int, int]]
+"""A load size's prepared groups, and the group of each layer."""
+
+
+def doubling_layer_groups(layer_num: int) -> list[range]:
+    """Layers 0 | 1 | 2-3 | 4-7 | ...: every later layer is on the device
+    before the forward pass reaches it (a load goes up from layer 0)."""
+    starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
+
+
+def load_layer_groups(
+    layer_num: int,
+    layer_bytes: int,
+    min_group_bytes: int = MIN_LOAD_GROUP_BYTES,
+    one_launch_bytes: int = ONE_LAUNCH_BYTES,
+    min_layers: int = 1,
+) -> list[range]:
+    """Layer 0 alone, then the doubling groups, each merged with the next
+    until it carries ``min_group_bytes`` of layers of ``layer_bytes`` and
+    holds ``min_layers`` layers; a last group short of either joins the one
+    before it. Every layer at once if those after layer 0 carry less than
+    ``one_launch_bytes``."""
+    if (layer_num - 1) * layer_bytes < one_launch_bytes:
+        return [range(layer_num)]
+
+    def short(group: range) -> bool:
+        return len(group) * layer_bytes < min_group_bytes or len(group) < min_layers
+
+    first, *rest = doubling_layer_groups(layer_num)
+    merged: list[range] = []
+    for group in rest:
+        if merged and short(merged[-1]):
+            merged[-1] = range(merged[-1].start, group.stop)
+        else:
+            merged.append(group)
+    if len(merged) > 1 and short(merged[-1]):
+        tail = merged.pop()
+        merged[-1] = range(merged[-1].start, tail.stop)
+    return [first, *merged]
+
+
+class LoadPlanner:
+    """What a pool's mover issues for each layer call of a load. No layer
+    order is assumed (a hybrid pool's mapper may start anywhere): a transfer
+    is one pair of index tensors, and a layer seen again begins a new one.
+    Packed draft layers move alone. A staged group's pieces are its layers of
+    one page, so groups hold enough layers for ``mover.min_piece_bytes``."""
+
+    def __init__(
+        self,
+        mover: PageChunkMover,
+        page: HostPage,
+        *,
+        target_layers: int,
+        layer_groups: LayerGroups,
+    ) -> None:
+        self._mover, self._page_size = mover, page.page_size
+        self._target_layers, self._layer_groups = target_layers, layer_groups
+        layer_piece = min(page.k_part.layer_bytes, page.v_part.layer_bytes)
+        pieces = -(-mover.min_piece_bytes // layer_piece)
+        self._min_layers = 1 if page.heads_major else max(1, pieces)
+        self._layer_bytes = page.span_bytes // page.layer_num
+        # From this many pages on, every doubling group carries the minimum.
+        self._full_pages = -(-MIN_LOAD_GROUP_BYTES // self._layer_bytes)
+        self._plans: dict[int, _Plan] = {}
+        self._drafts = {
+            layer: mover.prepare(range(layer, layer + 1))
+            for layer in range(target_layers, page.layer_num)
+        }
+        # The load under way: its index tensors (kept, so that a later pair
+        # cannot reuse their identity), its plan, its layers seen, its groups
+        # issued.
+        self._indices: tuple[object, object] = (None, None)
+        self._plan: _Plan = ([], {})
+        self._seen: set[int] = set()
+        self._issued: set[int] = set()
+
+    @property
+    def most_groups(self) -> int:
+        """The layer groups of the largest loads, for the pool's log line."""
+        return len(self._plan_of(self._full_pages)[0])
+
+    def _plan_of(self, pages: int) -> _Plan:
+        pages = min(pages, self._full_pages)  # one plan serves every size above
+        if pages not in self._plans:
+            groups = self._layer_groups(
+                self._target_layers,
+                pages * self._layer_bytes,
+                min_layers=self._min_layers,
+            )
+            prepared = [
+                self._mover.prepare(g, by_sm=n == 0) for n, g in enumerate(groups)
+            ]
+            group_of = {layer: n for n, g in enumerate(groups) for layer in g}
+            self._plans[pages] = (prepared, group_of)
+        return self._plans[pages]
+
+    def issue(self, layer_id: int, host_indices, device_indices, *, is_draft: bool):
+        """The prepared group to move for ``layer_id`` of this transfer, or
+        None where it is on its way already (or is a draft layer loaded
+        without ``is_draft``)."""
+        if is_draft:
+            return self._drafts.get(layer_id)
+        if layer_id >= self._target_layers:
+            return None
+        host, device = self._indices
+        if (
+            host is not host_indices
+            or device is not device_indices
+            or (layer_id in self._seen)
+        ):
+            self._indices = (host_indices, device_indices)
+            self._plan = self._plan_of(len(host_indices) // self._page_size)
+            self._seen, self._issued = set(), set()
+        self._seen.add(layer_id)
+        prepared, group_of = self._plan
+        group = group_of[layer_id]
+        if group in self._issued:
+            return None
+        self._issued.add(group)
+        return prepared[group]
