@@ -993,7 +993,7 @@ def _attach_l3(controller, backend: str) -> tuple[str, bool]:
     """Runtime attach, SGLang's admin path: a refused backend first, then
     ``backend``. Why the first was refused, and whether the refusal left the
     controller without storage."""
-    from sglang_mxfp8_hicache.host_pool import BlockScaledHiCacheConfigError
+    from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 
     local = _l3_backend(backend)
     try:
