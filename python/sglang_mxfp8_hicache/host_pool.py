@@ -99,7 +99,9 @@ class TransferChoice:
     mover: transfer.MoverFactory | None = None
     layer_groups: loads.LayerGroups = loads.load_layer_groups
 
-    def for_page(self, page: HostPage, staging_bytes: int, label: str):
+    def for_page(
+        self, page: HostPage, staging_bytes: int, label: str
+    ) -> TransferChoice:
         """This choice with its mover decided, before the pool allocates."""
         if self.mover is not None:
             return self
@@ -145,11 +147,11 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     ):
         # Everything is checked before a byte is allocated; the base constructor
         # calls get_size_per_token(), so the page must exist before it runs.
-        self.settings = settings.current()
         self._scaled_infos = (buffer_info, *draft_buffer_infos)
         self.flags, self.page_shape, self.host_page = refusals.plan_pool(
             self._scaled_infos, page_size, layout, allocator_type, pool_label
         )
+        self.settings = settings.current()
         self.transfer_choice = self.transfer_choice.for_page(
             self.host_page, self.settings.staging_bytes, pool_label
         )
@@ -320,9 +322,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
                 f"of this pool (page_size {self.page_size}, {self.size} tokens)"
             )
         return index // self.page_size
-
-    def describe_storage_page(self) -> str:
-        return self.host_page.describe()
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
         """The page's span, a view. ``flat=False``: its K and V parts as two

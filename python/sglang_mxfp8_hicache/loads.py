@@ -110,10 +110,9 @@ class LoadPlanner:
     def _plan_of(self, pages: int) -> _Plan:
         pages = min(pages, self._full_pages)  # one plan serves every size above
         if pages not in self._plans:
+            layer_bytes = pages * self._layer_bytes
             groups = self._layer_groups(
-                self._target_layers,
-                pages * self._layer_bytes,
-                min_layers=self._min_layers,
+                self._target_layers, layer_bytes, min_layers=self._min_layers
             )
             prepared = [
                 self._mover.prepare(g, by_sm=n == 0) for n, g in enumerate(groups)
@@ -131,11 +130,8 @@ class LoadPlanner:
         if layer_id >= self._target_layers:
             return None
         host, device = self._indices
-        if (
-            host is not host_indices
-            or device is not device_indices
-            or (layer_id in self._seen)
-        ):
+        new = host is not host_indices or device is not device_indices
+        if new or layer_id in self._seen:
             self._indices = (host_indices, device_indices)
             self._plan = self._plan_of(len(host_indices) // self._page_size)
             self._seen, self._issued = set(), set()

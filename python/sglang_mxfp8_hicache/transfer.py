@@ -129,7 +129,8 @@ class PageChunkMover:
 
     name = ""
     min_piece_bytes = 0
-    """Staged pieces of fewer bytes move by SM copies (0: nothing is staged)."""
+    """Staged pieces of fewer bytes move by SM copies; a load's layer groups
+    carry at least this much of a page."""
 
     def __init__(self, tables: PageChunkTables) -> None:
         self._tables = tables
@@ -328,12 +329,9 @@ class StagedPageChunks(PageChunkKernel):
 
     def __init__(self, tables: PageChunkTables, *, staging_bytes: int) -> None:
         super().__init__(tables)
-        device = tables.device
-        sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else 1
-        )
+        device, sms = tables.device, 1
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._gather_blocks = self.gather_blocks_per_sm * sms
         self._rings = {
             to_host: staging_ring(device, self._module, staging_bytes, to_host=to_host)

@@ -1,24 +1,16 @@
 """Side-by-side timing of HiCache host pools on one GPU, in one process.
 
-For each geometry (KV heads x head_dim x layers, page_size 128), setup
-(:class:`Setup`) and batch of pages, both directions are timed with CUDA
-events (warm-up, then the median) for ``ours``; ``sglang``, SGLang's own MXFP8
-host pool; ``payload``, SGLang's ``MHATokenToKVPoolHost`` moving the payload
-alone (``pools.PayloadOnlyHost`` for FP4); ``raw``, one pinned ``copy_`` of
-payload plus scales; and on request the ablations of :mod:`.ablations`.
-
-A backup is one ``backup_from_device_all_layer`` call and a load one
-``load_to_device_per_layer`` call per layer (draft depth ``d`` right after
-target layer ``d``, as ``HybridCacheController`` issues it), with indices
-where SGLang's controller puts them (``pools.host_indices_for``); the bench
-also records when layer 0's work completes: what the forward pass waits on. A
-class that refuses a setup gets ``None`` cells, "refused" in the tables.
-
-``beside``: each transfer runs on a side stream while a loop runs on the main
-stream (``results.BESIDE_LOOPS``: GEMMs or an HBM-bound add, as many as last
-as long as the transfer alone), both released together; a cell records the
-loop's time beside the transfer over its time alone, and the transfer's own
-time there.
+For each geometry (KV heads x head_dim x layers), setup (:class:`Setup`) and
+batch of pages, both directions are timed with CUDA events (the median after
+a warm-up) for ``ours``; ``sglang``, SGLang's own MXFP8 host pool;
+``payload``, SGLang's MHA host pool moving the payload alone; ``raw``, one
+pinned ``copy_`` of payload plus scales; and the ablations asked for. A backup
+is one ``backup_from_device_all_layer`` call, a load one call per layer (draft
+depth ``d`` right after target layer ``d``, as SGLang's controller issues
+them), with indices where the controller puts them; loads also until layer
+0's work completes. A class that refuses a setup gets ``None`` cells.
+``beside``: each transfer on a side stream while a loop (``BESIDE_LOOPS``)
+runs on the main stream: the loop's time beside it over its time alone.
 """
 
 from __future__ import annotations
@@ -115,8 +107,8 @@ def beside_loops(device) -> dict[str, Loop]:
 
 
 GATE_CYCLES = 6_000_000
-"""A sleep both streams start with beside a loop (about 3 ms on an H200): the
-transfer and the loop are queued behind it and start together."""
+"""A sleep both streams start with beside a loop: the transfer and the loop
+are queued behind it and start together."""
 
 
 def _ms(start, end) -> float:
@@ -266,14 +258,11 @@ def _transfers(
 
 def host_classes(ablations: Sequence[str] = ()) -> dict[str, type]:
     """The pools of one run, by column name, in table order."""
+    sglang = importlib.import_module("sglang.srt.mem_cache.pool_host.mha_mxfp8")
     classes = {
         "ours": MHATokenToKVPoolMXFP8Host,
         **{name: ABLATIONS[name] for name in ablations},
-        "sglang": getattr(
-            importlib.import_module("sglang.srt.mem_cache.pool_host.mha_mxfp8"),
-            "MHATokenToKVPoolMXFP8Host",
-            None,
-        ),
+        "sglang": getattr(sglang, "MHATokenToKVPoolMXFP8Host", None),
         "payload": PayloadOnlyHost,
     }
     return {name: cls for name, cls in classes.items() if cls is not None}
@@ -283,11 +272,9 @@ def bytes_per_page(
     heads: int, head_dim: int, layers: int, kv_cache_dtype: str = "mxfp8"
 ) -> int:
     """K and V, payload and scales, every layer: one page of the format."""
+    fmt = FORMATS[kv_cache_dtype]
     geometry = ScaleGeometry(
-        head_num=heads,
-        head_dim=head_dim,
-        page_size=PAGE_SIZE,
-        fmt=FORMATS[kv_cache_dtype],
+        head_num=heads, head_dim=head_dim, page_size=PAGE_SIZE, fmt=fmt
     )
     per_token = geometry.payload_bytes_per_token + geometry.bytes_per_token
     return 2 * layers * PAGE_SIZE * per_token
@@ -306,10 +293,8 @@ def pages_that_fit(
 
 def _drop_classes_that_cannot_move(device_pool, hosts: dict, setup: Setup) -> None:
     """SGLang's classes move some setups only through sgl_kernel's compiled ops
-    (``--hicache-io-backend direct``, ``page_head``), which may be missing:
-    one page each way, indices placed as SGLang's controller places them,
-    tells; such a class is refused for the setup like one that raised when
-    built. Ours failing is a failed run."""
+    (io ``direct``, ``page_head``), which may be missing: one page each way
+    tells, and such a class is refused for the setup. Ours failing fails."""
     device = "cpu" if setup.io_backend == "direct" else device_pool.device
     tokens = page_token_indices(torch.tensor([1]))
     for name, host in hosts.items():

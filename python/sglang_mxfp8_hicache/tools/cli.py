@@ -1,13 +1,8 @@
 """``sglang-mxfp8-hicache``: check the install, size the host tier, time transfers.
 
-``check`` (the install, the hook in a fresh process, and on a GPU a byte-exact
-round trip with the real JIT kernels), ``size`` (each host pool SGLang builds
-for a model, read through its ``ModelConfig``) and ``bench`` (L2 side by side;
-``--l3 BACKEND``; ``--plot``).
 ``--help`` lists every flag. Bad input ends in one line on stderr and exit
 code 2, never a traceback: argparse types check each flag where it is parsed,
-:class:`~sglang_mxfp8_hicache.tools.sizing.SizingError` a config.json or a geometry,
-:class:`UsageError` the rest.
+``sizing.SizingError`` a config.json or a geometry, :class:`UsageError` the rest.
 """
 
 from __future__ import annotations
@@ -58,8 +53,7 @@ class UsageError(Exception):
 
 
 class BenchFailed(Exception):
-    """L3 lost or changed pages: one line on stderr, exit code 1 (the numbers
-    of such a run mean nothing)."""
+    """L3 lost or changed pages: one line on stderr, exit code 1."""
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -322,10 +316,9 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
     budget = plan.host_budget_per_rank
     if budget is not None:
         print(f"SGLang's host budget per rank ({plan.host_budget_of}): {_gb(budget)}")
+        over = "SGLang refuses a host pool over its budget when it allocates"
         if plan.host_bytes > budget:
-            print(
-                "warning: SGLang refuses a host pool over its budget when it allocates"
-            )
+            print(f"warning: {over}")
     for warning in plan.warnings:
         print(f"warning: {warning}")
 
@@ -399,9 +392,8 @@ def _setup_names(args: argparse.Namespace) -> list[str]:
 
 
 def _import_quietly(module: str) -> Any:
-    """Imported only when needed (torch and SGLang take seconds). Without CUDA
-    SGLang's import warns about quantization kernels none of this uses; the
-    line that says what happened stands alone."""
+    """Imported only when needed (torch and SGLang take seconds), without the
+    warnings SGLang's import gives about quantization kernels none of this uses."""
     import importlib
 
     with warnings.catch_warnings():

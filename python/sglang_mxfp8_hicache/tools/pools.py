@@ -137,15 +137,8 @@ def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None
         if raw.device.type == "cpu" and generator.device.type == "cpu":
             raw.random_(0, 256, generator=generator)
             continue
-        drawn = torch.randint(
-            0,
-            256,
-            raw.shape,
-            dtype=torch.uint8,
-            generator=generator,
-            device=generator.device,
-        )
-        raw.copy_(drawn)
+        drawn = dict(dtype=torch.uint8, generator=generator, device=generator.device)
+        raw.copy_(torch.randint(0, 256, raw.shape, **drawn))
 
 
 def page_token_indices(pages: torch.Tensor, page_size: int = PAGE_SIZE) -> torch.Tensor:

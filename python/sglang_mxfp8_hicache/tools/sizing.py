@@ -1,32 +1,27 @@
-"""Host-tier sizing per rank and per node, with and without the scale bytes of
-a block-scaled format, as SGLang 0.5.23 sizes its host pools.
+"""``size``: the host tier per rank and per node, with and without the scale
+bytes of a block-scaled format, as SGLang sizes its host pools.
 
-A model is read through SGLang's own ``ModelConfig`` (the code a server runs),
-so it gets the KV pools SGLang builds for it:
-
-- a dense model: one pool (``kv``) of every layer;
-- a hybrid SWA model (gpt-oss, ...): the full-attention layers in the ``full``
-  pool, the sliding-window layers in the ``swa`` pool, whose device tokens are
-  ``--swa-full-tokens-ratio`` of the full pool's, page-aligned
-  (``HybridSWAPoolConfigurator``);
-- a Mamba hybrid (Qwen3-Next, ...): only the full-attention layers in the KV
-  pool, and the Mamba state per request slot beside it (SGLang's own
-  ``MambaPoolHost`` holds it on the host);
-- MLA: refused, with the reason.
-
-Each pool's host tier is ``HostKVCache.__init__``'s: ``--hicache-size``
-(decimal GB per rank; several pools share it in proportion to their device
-bytes, as ``hybrid_pool_assembler._split_hicache_size`` does) over the bytes
-per token, else the pool's device tokens times ``--hicache-ratio``; whole pages
-plus one padding page. The tests check the figures against pools SGLang builds.
+A model is read through SGLang's own ``ModelConfig``, so it gets the KV pools
+SGLang builds for it: a dense model one pool (``kv``); a hybrid SWA model a
+``full`` and a ``swa`` pool, whose device tokens are the page-aligned
+``--swa-full-tokens-ratio`` of the full pool's; a Mamba hybrid a KV pool of
+its full-attention layers, its Mamba state in SGLang's own host pool beside
+it; MLA is refused. Each pool's host tier is ``HostKVCache.__init__``'s:
+its share of ``--hicache-size`` (in proportion to device bytes, as
+``hybrid_pool_assembler._split_hicache_size`` shares it) over the bytes per
+token, else its device tokens times ``--hicache-ratio``; whole pages plus one
+padding page. The tests check the figures against pools SGLang builds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -50,20 +45,16 @@ SWA_FULL_TOKENS_RATIO = 0.8
 HICACHE_RATIO = 2.0
 """SGLang's ``--hicache-ratio`` when it is not given."""
 MODEL_BOUNDS = {"layers": 4096, "kv_heads": 4096, "head_dim": 8192}
-"""The most a pool's count can be: released models have under 200 layers, 128
-KV heads and head dims of 512; past ten times that a count is a typo."""
+"""The most a pool's count can be: ten times what released models have."""
 MAX_NODE_HOST_BYTES = 64 << 40
-"""A node's host tier above 64 TiB is more RAM than any one server holds (the
-largest hold 32 TB): the device tokens or the ratio are a typo."""
+"""More host tier than any one server holds: a typo in the device tokens or
+the ratio."""
 
 
 class SizingError(ValueError):
-    """A model or count that cannot be sized: an unreadable or MLA config, or a
-    value SGLang's block-scaled KV pool would refuse.
-
-    The CLI prints it as a one-line usage error, so every message names the
-    value, where it came from and what is allowed.
-    """
+    """A model or count that cannot be sized (an unreadable or MLA config, a
+    value the pool would refuse): one line naming the value, where it came
+    from and what is allowed, which the CLI prints as a usage error."""
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -184,54 +175,38 @@ def _read_model_config(
         kv_heads_per_rank(model.get_num_kv_heads(1), tp_size)
         heads = model.get_num_kv_heads(tp_size)
         arch = (model.hf_config.architectures or ["?"])[0]
+        dims = (model.head_dim, model.v_head_dim)
         if model.is_hybrid_swa:
+            swa = (model.get_swa_num_kv_heads(tp_size), model.swa_head_dim)
+            swa += (model.swa_v_head_dim, swa_full_tokens_ratio)
             pools = (
-                KVPool(
-                    "full",
-                    len(model.full_attention_layer_ids),
-                    heads,
-                    model.head_dim,
-                    model.v_head_dim,
-                ),
-                KVPool(
-                    "swa",
-                    len(model.swa_attention_layer_ids),
-                    model.get_swa_num_kv_heads(tp_size),
-                    model.swa_head_dim,
-                    model.swa_v_head_dim,
-                    token_ratio=swa_full_tokens_ratio,
-                ),
+                KVPool("full", len(model.full_attention_layer_ids), heads, *dims),
+                KVPool("swa", len(model.swa_attention_layer_ids), *swa),
             )
             return ModelKV(pools, source=f"{arch} (hybrid SWA)")
         mamba = mambaish_config(model)
         if mamba is not None:
             layers = len(mamba.full_attention_layer_ids)
             state = mamba.mamba2_cache_params.mamba_cache_per_req
-            pool = KVPool("kv", layers, heads, model.head_dim, model.v_head_dim)
+            pool = KVPool("kv", layers, heads, *dims)
             return ModelKV((pool,), mamba_state_bytes=state, source=f"{arch} (Mamba)")
-        layers = model.num_attention_layers
-        pool = KVPool("kv", layers, heads, model.head_dim, model.v_head_dim)
+        pool = KVPool("kv", model.num_attention_layers, heads, *dims)
         return ModelKV((pool,), source=arch)
 
 
-class _sglang_context:
+@contextlib.contextmanager
+def _sglang_context(tp_size: int) -> Iterator[None]:
     """SGLang's runtime context for ``tp_size`` ranks while a config is read:
     some configs (Qwen3-Next's Mamba state) ask it for the TP size."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
 
-    def __init__(self, tp_size: int) -> None:
-        self.tp_size = tp_size
-
-    def __enter__(self) -> None:
-        from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-        from sglang.srt.server_args import ServerArgs
-
-        reset_context()
-        args = ServerArgs(model_path="dummy", tp_size=self.tp_size)
-        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None))
-
-    def __exit__(self, *exc: object) -> None:
-        from sglang.srt.runtime_context import reset_context
-
+    reset_context()
+    args = ServerArgs(model_path="dummy", tp_size=tp_size)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None))
+    try:
+        yield
+    finally:
         reset_context()
 
 
@@ -295,6 +270,48 @@ def host_tokens(
     return (tokens // page_size + 1) * page_size
 
 
+def _bytes_per_token(pool: KVPool, flags: HiCacheFlags) -> tuple[int, int, int]:
+    """Payload, scale and seal bytes per token of the page the host pool of
+    ``pool`` builds (``refusals.plan_page``); its refusal as a ``SizingError``."""
+    counts = {"layers": pool.layers, "kv_heads": pool.kv_heads}
+    counts["head_dim"] = max(pool.head_dim, pool.v_head_dim)
+    for name, value in counts.items():
+        if value > MODEL_BOUNDS[name]:
+            raise SizingError(
+                f"{pool.name} pool: {name} {value} is over {MODEL_BOUNDS[name]}, "
+                "ten times what any released model has: a typo?"
+            )
+    shape = PageShape(pool.kv_heads, pool.head_dim, pool.v_head_dim, pool.layers)
+    page = plan_page(flags, shape)
+    if isinstance(page, Refused):
+        raise SizingError(f"{pool.name} pool: {page.reason}")
+    seals = page.seal_bytes // flags.page_size
+    scales = page.scale_bytes_per_token
+    return page.bytes_per_token - scales - seals, scales, seals
+
+
+def _size_shares(
+    model: ModelKV,
+    device_bytes: list[int],
+    hicache_size_gb: float,
+    max_mamba_cache_size: int | None,
+) -> list[float]:
+    """Each pool's GB of ``--hicache-size``: all of it for a lone pool, else a
+    share in proportion to device bytes, the Mamba state's included."""
+    if not (hicache_size_gb > 0 and (len(device_bytes) > 1 or model.mamba_state_bytes)):
+        return [float(hicache_size_gb)] * len(device_bytes)
+    shares = list(device_bytes)
+    if model.mamba_state_bytes:
+        if max_mamba_cache_size is None:
+            raise SizingError(
+                f"{model.source}: --hicache-size is shared with the Mamba "
+                "state pool in proportion to device bytes; give its device "
+                "slots as --max-mamba-cache-size"
+            )
+        shares.append((max_mamba_cache_size + 1) * model.mamba_state_bytes)
+    return [hicache_size_gb * b / sum(shares) for b in device_bytes]
+
+
 def host_plan(
     model: ModelKV,
     *,
@@ -310,9 +327,8 @@ def host_plan(
     layout: str = "page_first",
 ) -> HostPlan:
     """``fmt``'s host tier for ``model`` on one rank, from ``device_tokens`` of
-    the full (or only) KV pool; bytes per token from the page the host pool
-    builds (``refusals.plan_page``), and its refusal as a ``SizingError``. ``draft_layers``: packed MTP/NextN draft layers, which the
-    host page of the full (or only) pool carries after the target's.
+    the full (or only) KV pool. ``draft_layers``: packed MTP/NextN draft
+    layers, which the full (or only) pool's page carries after the target's;
     ``layout``: ``--hicache-mem-layout`` (a ``page_head`` page has no seals)."""
     if draft_layers:
         first, *rest = model.pools
@@ -321,23 +337,7 @@ def host_plan(
     flags = HiCacheFlags(
         kv_cache_dtype=fmt.name, page_size=page_size, mem_layout=layout
     )
-    per_token = []
-    for pool in model.pools:
-        counts = {"layers": pool.layers, "kv_heads": pool.kv_heads}
-        counts["head_dim"] = max(pool.head_dim, pool.v_head_dim)
-        for name, value in counts.items():
-            if value > MODEL_BOUNDS[name]:
-                raise SizingError(
-                    f"{pool.name} pool: {name} {value} is over {MODEL_BOUNDS[name]}, "
-                    "ten times what any released model has: a typo?"
-                )
-        shape = PageShape(pool.kv_heads, pool.head_dim, pool.v_head_dim, pool.layers)
-        page = plan_page(flags, shape)  # the pool's own page
-        if isinstance(page, Refused):
-            raise SizingError(f"{pool.name} pool: {page.reason}")
-        seals = page.seal_bytes // page_size
-        scales = page.scale_bytes_per_token
-        per_token.append((page.bytes_per_token - scales - seals, scales, seals))
+    per_token = [_bytes_per_token(pool, flags) for pool in model.pools]
     # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.
     pool_tokens = [
         device_tokens
@@ -345,38 +345,23 @@ def host_plan(
         else int(device_tokens * pool.token_ratio) // page_size * page_size
         for pool in model.pools
     ]
-    budgets = [float(hicache_size_gb)] * len(model.pools)
-    if hicache_size_gb > 0 and (len(model.pools) > 1 or model.mamba_state_bytes):
-        device_bytes = [
-            (tokens + page_size) * (payload + scale)
-            for tokens, (payload, scale, _) in zip(pool_tokens, per_token, strict=True)
-        ]
-        if model.mamba_state_bytes:
-            if max_mamba_cache_size is None:
-                raise SizingError(
-                    f"{model.source}: --hicache-size is shared with the Mamba "
-                    "state pool in proportion to device bytes; give its device "
-                    "slots as --max-mamba-cache-size"
-                )
-            device_bytes.append((max_mamba_cache_size + 1) * model.mamba_state_bytes)
-        total = sum(device_bytes)
-        budgets = [hicache_size_gb * b / total for b in device_bytes[: len(budgets)]]
+    device_bytes = [
+        (tokens + page_size) * (payload + scale)
+        for tokens, (payload, scale, _) in zip(pool_tokens, per_token, strict=True)
+    ]
+    shares = _size_shares(model, device_bytes, hicache_size_gb, max_mamba_cache_size)
     plans = []
-    for pool, tokens, budget, (payload, scale, seal) in zip(
-        model.pools, pool_tokens, budgets, per_token, strict=True
+    for pool, tokens, share, (payload, scale, seal) in zip(
+        model.pools, pool_tokens, shares, per_token, strict=True
     ):
-
-        def sized(bytes_per_token: int, tokens=tokens, budget=budget) -> int:
-            return host_tokens(
-                bytes_per_token,
-                device_tokens=tokens,
-                hicache_ratio=hicache_ratio,
-                hicache_size_gb=budget,
-                page_size=page_size,
-            )
-
-        with_scales = sized(payload + scale + seal)
-        without = sized(payload)
+        sized = functools.partial(
+            host_tokens,
+            device_tokens=tokens,
+            hicache_ratio=hicache_ratio,
+            hicache_size_gb=share,
+            page_size=page_size,
+        )
+        with_scales, without = sized(payload + scale + seal), sized(payload)
         plans.append(
             PoolPlan(
                 name=pool.name,
@@ -395,14 +380,14 @@ def host_plan(
                 host_bytes_without_scales=without * payload,
             )
         )
-    warnings = tuple(
-        f"the {p.name} host pool ({p.host_tokens} tokens) is not larger than its "
-        f"device pool ({p.device_tokens} tokens): SGLang warns that L2 then helps "
-        "little; raise --hicache-ratio or --hicache-size"
-        for p in plans
-        if p.host_tokens <= p.device_tokens
-    )
-    node_bytes = sum(p.host_bytes for p in plans) * ranks_per_node
+    return _host_plan(model, plans, flags, tp_size, ranks_per_node)
+
+
+def _host_plan(
+    model: ModelKV, plans: list[PoolPlan], flags: HiCacheFlags, tp_size: int, ranks: int
+) -> HostPlan:
+    """The rank's and the node's totals of ``plans``, with their warnings."""
+    node_bytes = sum(p.host_bytes for p in plans) * ranks
     if node_bytes > MAX_NODE_HOST_BYTES:
         raise SizingError(
             f"{node_bytes / 2**40:.0f} TiB of host tier per node is more RAM than "
@@ -410,15 +395,21 @@ def host_plan(
             "check the device tokens, --hicache-ratio and --hicache-size"
         )
     return HostPlan(
-        kv_cache_dtype=fmt.name,
-        page_size=page_size,
+        kv_cache_dtype=flags.kv_cache_dtype,
+        page_size=flags.page_size,
         tp_size=tp_size,
-        ranks_per_node=ranks_per_node,
+        ranks_per_node=ranks,
         source=model.source,
         pools=tuple(plans),
         host_bytes=sum(p.host_bytes for p in plans),
         host_bytes_per_node=node_bytes,
         host_bytes_without_scales=sum(p.host_bytes_without_scales for p in plans),
         mamba_state_bytes=model.mamba_state_bytes,
-        warnings=warnings,
+        warnings=tuple(
+            f"the {p.name} host pool ({p.host_tokens} tokens) is not larger than its "
+            f"device pool ({p.device_tokens} tokens): SGLang warns that L2 then helps "
+            "little; raise --hicache-ratio or --hicache-size"
+            for p in plans
+            if p.host_tokens <= p.device_tokens
+        ),
     )
