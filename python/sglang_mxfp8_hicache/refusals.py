@@ -1,13 +1,11 @@
 """The plan of a block-scaled host page: the page a setup gets, or why not.
 
 :func:`plan_page` is a pure function of the server's flags
-(:class:`HiCacheFlags`, read by the caller) and the pool's shape
-(:class:`PageShape`: heads, head dims, layers). It returns the
-:class:`~sglang_mxfp8_hicache.page.HostPage`, or the first row of the refusal
-table that applies (:class:`Refused`: the flag an operator changes and why,
-naming what to set instead). Rows on flags come first, then rows on the shape,
-then the storage backend's, so every caller that knows the facts of a row gets
-the same first refusal:
+(:class:`HiCacheFlags`) and the pool's shape (:class:`PageShape`). It returns
+the :class:`~sglang_mxfp8_hicache.page.HostPage`, or the first row of the
+refusal table that applies (:class:`Refused`: the flag to change and why).
+Rows on flags come first, then rows on the shape, then the storage backend's,
+so every caller that knows the facts of a row gets the same first refusal:
 
 - the plugin, right after SGLang resolves its server arguments
   (``ServerArgs.resolve_once``, flags only): ``launch_server`` with flags the
@@ -130,9 +128,10 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         lambda f, _: (
             f"--kv-cache-dtype {f.kv_cache_dtype} at --page-size "
-            f"{f.page_size}: SGLang {releases.NEWEST} builds such pools with per-token scales, "
-            "but none of its write paths writes them (set_kv_buffer needs the "
-            f"page-interleaved scales of page_size {INTERLEAVED_PAGE_SIZE}), so "
+            f"{f.page_size}: SGLang {releases.NEWEST} builds such pools with "
+            "per-token scales, but none of its write paths writes them "
+            "(set_kv_buffer needs the page-interleaved scales of page_size "
+            f"{INTERLEAVED_PAGE_SIZE}), so "
             f"there is nothing to serve; set --page-size {INTERLEAVED_PAGE_SIZE}."
         ),
     ),
@@ -190,9 +189,10 @@ REFUSALS: tuple[Refusal, ...] = (
         ),
         lambda f, s: (
             f"K head_dim {s.head_dim} != V head_dim {s.v_head_dim}, and SGLang "
-            f"{releases.NEWEST}'s FP4 KV pool builds V's payload and scales at K's head_dim "
-            "(its quant method's create_buffers takes one head_dim), so the device "
-            "V rows are not the V heads; SGLang serves no asymmetric FP4 KV cache. "
+            f"{releases.NEWEST}'s FP4 KV pool builds V's payload and scales at K's "
+            "head_dim (its quant method's create_buffers takes one head_dim), so "
+            "the device V rows are not the V heads; SGLang serves no asymmetric "
+            "FP4 KV cache. "
             "Use --kv-cache-dtype mxfp8 for this model."
         ),
         needs_shape=True,
@@ -223,21 +223,13 @@ def plan_page(flags: HiCacheFlags, shape: PageShape) -> HostPage | Refused:
     refused = refusal(flags, shape)
     if refused is not None:
         return refused
+    side = dict(head_num=shape.head_num, page_size=flags.page_size)
+    side["fmt"] = FORMATS[flags.kv_cache_dtype]
     k, v = (
-        ScaleGeometry(
-            head_num=shape.head_num,
-            head_dim=dim,
-            page_size=flags.page_size,
-            fmt=FORMATS[flags.kv_cache_dtype],
-        )
-        for dim in (shape.head_dim, shape.v_head_dim)
+        ScaleGeometry(head_dim=d, **side) for d in (shape.head_dim, shape.v_head_dim)
     )
-    return HostPage(
-        k,
-        v,
-        layer_num=shape.layer_num,
-        heads_major=flags.mem_layout == HEADS_MAJOR_LAYOUT,
-    )
+    heads_major = flags.mem_layout == HEADS_MAJOR_LAYOUT
+    return HostPage(k, v, layer_num=shape.layer_num, heads_major=heads_major)
 
 
 # -- the pool's constructor: the running server, then the device buffers ---------
