@@ -1,23 +1,13 @@
-"""A sealed L3 batch moved in chunks, so that the seal passes run beside the
-backend's own I/O.
+"""A sealed L3 batch moved in chunks, so that the seal passes (``seal.py``)
+run beside the backend's own I/O: the backend moves one chunk while a thread
+of ours seals the next (puts) or checks the one before (gets). A get's chunks
+shrink by half down to the ``l3_chunk_pages`` setting, a put's grow from it,
+so a batch of ``n`` pages makes about ``log2(n / smallest)`` calls; 0, the
+default, makes a batch one call (``docs/benchmarks.md`` says why).
 
-A sealed page (``seal.py``) costs one xxh3 pass over its bytes: before a put,
-after a get. Made over the whole batch, the pass adds its whole time to the
-batch's. In chunks, the backend moves one chunk while a thread of ours seals
-the next (puts) or checks the one before (gets): the batch then costs the
-backend's time, one call more per chunk, and the pass over one chunk. That
-chunk is the smallest: a get's chunks shrink by half down to the
-``l3_chunk_pages`` setting, a put's grow from it the same way, so a batch of
-``n`` pages makes about ``log2(n / smallest)`` calls.
-
-It is off by default (0: a batch is one call): each call more costs the
-backend its own setup, and the overlap needs a core to spare beside the
-backend's threads (``docs/benchmarks.md``).
-
-The backend's calls stay on the caller's thread, SGLang's prefetch or backup
-thread, one after another, as SGLang makes them: a backend never meets a
-thread it did not come from. Only the passes run on the helper thread; a
-batch returns only once none of them is left running.
+The backend's calls stay on the caller's thread (SGLang's prefetch or backup
+thread), one after another: a backend never meets a thread it did not come
+from. A batch returns only once none of its passes is left running.
 """
 
 from __future__ import annotations

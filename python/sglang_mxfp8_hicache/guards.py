@@ -1,14 +1,11 @@
-"""The guards in front of the L3 backends SGLang builds for a pool of ours.
+"""The guards in front of the L3 backends SGLang builds for a pool of ours
+(which backend gets which, and why: ``storage.BACKENDS``).
 
-A guard is the backend as SGLang's controllers call it. Its class body lists
-every method it changes, each a call to the backend and then a check (or a
-seal before it); every other attribute is read from the backend as it is.
-Which backend gets which guard, and why, is ``storage.BACKENDS``.
-
-Where a backend's own methods call each other and a guard must sit between
-them, the call is named in ``storage.BACKENDS`` (``inner_calls``, with why):
-the guard sets, on that backend instance only, the method ``inner_<name>``
-of its own class in front of the backend's.
+A guard's class body lists every method it changes, each a call to the
+backend and then a check (or a seal before it); every other attribute is the
+backend's. A call between a backend's own methods that a guard must sit in is
+named in its row's ``inner_calls``: the guard sets its ``inner_<name>`` in
+front of the backend's method, on that backend instance only.
 """
 
 from __future__ import annotations

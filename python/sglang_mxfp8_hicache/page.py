@@ -10,32 +10,23 @@ For L layers (packed draft layers last), a host page is one contiguous span of
     | layer 0: V payload run | V scale run | layer 1: ... | layer L-1: ... | seal |
     +---------------------------------------------------------------------------+
 
-A run is the device page's bytes as the device pool holds them: in SGLang's
-pools one page of one layer is one contiguous run of payload (P x H x D bytes
-of fp8, or half of that for FP4) and one of scales (the FA4 interleaved atom
-for MXFP8, P per-token rows for FP4). So every (page, layer, part) moves as one
-chunk between a device page number times the run's bytes and a host page
-number times ``span_bytes``, whatever the format: the host page never needs to
-know what a scale byte means, and neither does an L3 backend.
+A run is the device page's bytes as the device pool holds them: one page of
+one layer is one contiguous run of payload and one of scales in SGLang's
+pools, whatever the format. So every (page, layer, part) moves as one chunk
+between a device page number times the run's bytes and a host page number
+times ``span_bytes``: neither the host page nor an L3 backend needs to know
+what a scale byte means.
 
 Each part of a layer-major page ends in its seal area (``seal_bytes``): the
-bytes that make the part a whole number of ``PART_ALIGN`` (4 KiB) blocks, at
-least ``SEAL_CONTENT_BYTES`` of them, the seal itself last (``seal.py``). No
-device transfer touches it. An L3 backend that cannot report what it stored
-has the seal written when a page goes to L3 and checked when it comes back,
-so a short, long, stale or foreign object under our key is a miss. Whole
-blocks let backends that move parts with O_DIRECT (NIXL's default) move them
-in place. A heads-major page has none (below).
+bytes that make the part whole ``PART_ALIGN`` (4 KiB) blocks, so that O_DIRECT
+moves it in place, at least ``SEAL_CONTENT_BYTES`` of them, the seal last
+(``seal.py``). No device transfer touches it. A heads-major page has none.
 
-``--hicache-mem-layout page_head`` asks for a heads-major page, so that an L3
-object can hold a group of heads and ranks of another TP size can share it
-(mooncake's split heads). Then each part is, head by head, every layer's
-chunk of that head: the payload rows of the head (strided on the device) and
-its scales (MXFP8's atom keeps a head's scales of a page contiguous; FP4's
-per-token rows hold them as strided rows). A head group's bytes are then the
-same whatever the rank's head count, which is why the key tag of a
-heads-major page names no head count, and why it has no seal (a seal would
-make a 2-head rank's part differ from a head group of a 4-head page):
+``--hicache-mem-layout page_head`` asks for a heads-major page, so that ranks
+of another TP size can share an L3 object of a head group (mooncake's split
+heads): each part is, head by head, every layer's chunk of that head (its
+payload rows and scales, strided on the device). A head group's bytes are
+then the same whatever the rank's head count; a seal would break that:
 
     heads-major K part:  head 0: [layer 0: payload | scales] ... [layer L-1: ...]
                          head 1: ...
@@ -319,37 +310,26 @@ class HostPage:
         k, v = self.k_part, self.v_part
         if self.heads_major:
             k, v = self._head_part(self.k), self._head_part(self.v)
-        unit = (
-            f"{self.heads} heads of {self.layer_num} layers"
-            if self.heads_major
-            else f"{self.layer_num} layers"
-        )
-        return (
+        unit = f"{self.heads} heads of " if self.heads_major else ""
+        said = (
             f"{self.span_bytes} B per page: K {self.k_part.span_bytes} B then V "
-            f"{self.v_part.span_bytes} B, each {unit} of [payload {k.payload_bytes} B "
-            f"| scales {k.scale_bytes} B]"
-            + (
-                ""
-                if k == v
-                else f" for K, [payload {v.payload_bytes} B | scales {v.scale_bytes} B] for V"
-            )
-            + (
+            f"{self.v_part.span_bytes} B, each {unit}{self.layer_num} layers of "
+            f"[payload {k.payload_bytes} B | scales {k.scale_bytes} B]"
+        )
+        if k != v:
+            said += f" for K, [payload {v.payload_bytes} B | scales {v.scale_bytes} B] for V"
+        if self.seal_bytes:
+            said += (
                 f", then a seal area ({self.k_part.seal_bytes} B for K, "
                 f"{self.v_part.seal_bytes} B for V: parts of whole 4 KiB blocks)"
-                if self.seal_bytes
-                else ""
             )
-        )
+        return said
 
     def storage_format_tag(self) -> str:
-        """SGLang's L3 key tag for pages of this byte order.
-
-        Names the format, the page format version and every number that fixes
-        a page's bytes (layers, heads, head dims, page size), so that a page of
-        another format, version or geometry never shares a key with one of ours.
-        A heads-major page (``hm``) names no head count: its head groups are
-        stored per head and shared by ranks of other TP sizes.
-        """
+        """SGLang's L3 key tag for pages of this byte order: the format, the
+        page format version and every number that fixes a page's bytes, so a
+        page of another never shares a key with ours. A heads-major page
+        (``hm``) names no head count: ranks of other TP sizes share its heads."""
         dims = f"d{self.k.head_dim}"
         if self.v.head_dim != self.k.head_dim:
             dims += f"v{self.v.head_dim}"

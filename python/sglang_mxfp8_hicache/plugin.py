@@ -43,8 +43,7 @@ logger = logging.getLogger(__name__)
 
 SERVER_ARGS_HOOK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 _registered = False
-_refusing = False
-"""Set once the refusal of an unserved release is registered."""
+_refusing = False  # the refusal of an unserved release is registered
 _logged_choices: set[tuple[str, str, str]] = set()
 
 
@@ -53,14 +52,9 @@ def is_registered() -> bool:
 
 
 def claims(buffer_info: MHABufferInfo) -> str | None:
-    """Why our class takes this device pool, or None to leave it to SGLang.
-
-    Every block-scaled format is claimed in any layout, and so is an FP4 pool
-    without per-token scales: a pool we cannot serve then gets our error
-    naming the flag (``--page-size 128``, the attention backend) rather than
-    a generic one, or, for FP4 without scales, SGLang's plain class sizing
-    the payload twice over and dropping the scales.
-    """
+    """Why our class takes this device pool, or None to leave it to SGLang:
+    every block-scaled pool, and an FP4 pool without per-token scales, so
+    that one we cannot serve gets our error naming the flag."""
     fmt = buffer_scale_format(buffer_info)
     if fmt is not None:
         return (
@@ -99,15 +93,10 @@ def select_host_pool_cls(
 
 
 def refuse_native_fp4_scales(original: Callable[..., Any], pool, drafts=()):
-    """AROUND hook on the assembler's ``_mha_host_inputs``, where every MHA host
-    pool's inputs are read off its device pool.
-
-    nvfp4 for trtllm_mha on SM100 keeps a second, native copy of its scales
-    (``native_k_scale_buffer``) that ``MHABufferInfo`` does not carry, so no
-    host pool ever sees it: a host tier would restore pages with stale native
-    scales. SGLang's server arguments refuse that combination; this refuses
-    it wherever a stack is built, before any host pool is.
-    """
+    """AROUND hook on the assembler's ``_mha_host_inputs``: nvfp4 for
+    trtllm_mha (SM100) keeps a native copy of its scales that no host pool is
+    given, so a host tier would restore them stale; refused wherever a stack
+    is built, before any host pool is."""
     _refuse_native_scales((pool, *drafts))
     return original(pool, drafts)
 
@@ -144,13 +133,9 @@ def mark_staging_preparation(original: Callable[..., Any], **kwargs):
 
 def skip_payload_staging(original: Callable[..., Any], buffer_info, **kwargs):
     """AROUND hook on ``prepare_mha_write_back_staging``: no staging for a pool
-    of ours while SGLang prepares it before sizing the KV cache.
-
-    That staging (2 x 64 pages of every layer's payload: 512 MiB for 32 layers
-    of 8x128 fp8) serves SGLang's own page_first write-back kernel; our pool
-    moves pages without it. A host pool of SGLang's own that is built later
-    (its constructor calls this function too) still gets its staging.
-    """
+    of ours while SGLang prepares it before sizing the KV cache (it serves
+    SGLang's own write-back kernel); ours is reserved in its place. A host
+    pool of SGLang's own built later still gets its staging."""
     info = releases.buffer_info(buffer_info)  # the device pool before 0.5.23
     if _preparing_staging.get() and claims(info) is not None:
         _reserve_device_staging(info.device)
@@ -166,27 +151,20 @@ def _reserve_device_staging(device) -> None:
 
     from sglang_mxfp8_hicache import transfer
 
+    staging = settings.current().staging_bytes
     try:
-        reserved = transfer.reserve_staging(
-            torch.device(device), settings.current().staging_bytes
-        )
+        reserved = transfer.reserve_staging(torch.device(device), staging) >> 20
     except Exception as exc:  # the pool reports what it then chooses
         logger.debug("block-scaled HiCache staging not made before sizing: %s", exc)
         return
     if reserved:
-        logger.info(
-            "Block-scaled HiCache device staging prepared before KV sizing: "
-            "%.0f MiB (SGLANG_MXFP8_HICACHE_STAGING_MB).",
-            reserved / 2**20,
-        )
+        logger.info("Block-scaled HiCache staging before KV sizing: %d MiB.", reserved)
 
 
 def keeps_cpu_host_indices(io_backend: str, host_pool: Any, host_indices) -> bool:
-    """Whether a controller hands ``host_pool`` its host indices as they are,
-    on the CPU: with the ``kernel`` io backend, for a pool of ours (which
-    reads CPU host indices on both its paths: page starts as kernel
-    arguments, or copy addresses; GPU ones keep a transfer off the copy
-    engines)."""
+    """Whether a controller hands ``host_pool`` its CPU host indices as they
+    are: with the ``kernel`` io backend, for a pool of ours, which reads them
+    on the CPU (GPU ones keep a transfer off the copy engines)."""
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
     return (
@@ -228,51 +206,63 @@ def keep_pool_host_indices_on_cpu(
 def unserved_release_reason(found: str | None) -> str:
     """Why block-scaled KV with HiCache is refused on SGLang ``found``, and
     what to do instead."""
-    served = " / ".join(releases.SUPPORTED_SGLANG_VERSIONS)
-    newest = releases.NEWEST
+    why, instead = (
+        f"sglang {found} is not a release it is tested with",
+        (
+            ", or set SGLANG_MXFP8_HICACHE_DISABLE=1 to leave the host pool to SGLang "
+            "(its own keeps MXFP8 scales in host memory only, and FP4 scales nowhere)"
+        ),
+    )
     if _loses_scales(found):
-        why = (
-            f"sglang {found} has an MXFP8 KV pool but no block-scaled HiCache "
-            "host pool: its host pool backs up the payload without the scales, "
-            "and pages come back with wrong scales, silently"
-        )
-        instead = ""
-    else:
-        why = f"sglang {found} is not a release it is tested with"
-        instead = (
-            ", or set SGLANG_MXFP8_HICACHE_DISABLE=1 to leave the host pool to SGLang (its own "
-            "keeps MXFP8 scales in host memory only, and FP4 scales nowhere)"
+        why, instead = (
+            (
+                f"sglang {found} has an MXFP8 KV pool but no block-scaled HiCache "
+                "host pool: its host pool backs up the payload without the scales, "
+                "and pages come back with wrong scales, silently"
+            ),
+            "",
         )
     return (
-        f"sglang-mxfp8-hicache serves block-scaled KV in HiCache on sglang "
-        f"{served}; {why}. Install sglang=={newest}, or run without "
-        f"--enable-hierarchical-cache{instead}."
+        "sglang-mxfp8-hicache serves block-scaled KV in HiCache on sglang "
+        f"{' / '.join(releases.SUPPORTED_SGLANG_VERSIONS)}; {why}. Install "
+        f"sglang=={releases.NEWEST}, or run without --enable-hierarchical-cache"
+        f"{instead}."
     )
 
 
-def refuse_on_unserved_release(
-    result: Any, server_args: Any, *args: Any, **kwargs: Any
-) -> Any:
+def refuse_on_unserved_release(result: Any, server_args: Any, *args, **kwargs) -> Any:
     """AFTER hook on ``ServerArgs.resolve_once`` (``__post_init__`` before
-    0.5.19), registered instead of every other hook on a release this package
-    does not serve: a block-scaled KV cache with HiCache stops the launch
-    before a model loads; every other setup is left to SGLang."""
-    from sglang_mxfp8_hicache.geometry import FORMATS
-
+    0.5.19), instead of every other hook on a release this package does not
+    serve: a block-scaled KV cache with HiCache stops the launch."""
     try:  # the arguments as SGLang resolves them (0.5.20 on)
         from sglang.srt.arg_groups.model_override_base import resolving_view
 
         view = resolving_view(server_args)
     except Exception:  # the plain attributes: what the older releases resolve
         view = server_args
-    dtype = getattr(view, "kv_cache_dtype", None)
-    if (
-        getattr(view, "enable_hierarchical_cache", False)
-        and dtype in FORMATS
-        and not _uses_mla_pool(server_args, getattr(view, "model_path", ""))
-    ):
+    dtype = _block_scaled_hicache(server_args, view)
+    if dtype is not None:
         raise refusal_error(unserved_release_reason(releases.sglang_version()), dtype)
     return result
+
+
+def _block_scaled_hicache(server_args: Any, view: Any) -> str | None:
+    """The block-scaled ``--kv-cache-dtype`` of a launch with HiCache whose
+    model gets an MHA pool (an MLA pool keeps SGLang's own host pool), or None."""
+    from sglang_mxfp8_hicache.geometry import FORMATS
+
+    dtype = getattr(view, "kv_cache_dtype", None)
+    if not getattr(view, "enable_hierarchical_cache", False) or dtype not in FORMATS:
+        return None
+    model_path = str(getattr(view, "model_path", "")).lower()
+    try:
+        from sglang.srt.arg_groups.model_override_base import use_mla_backend
+
+        if model_path not in ("dummy", "none") and use_mla_backend(server_args):
+            return None
+    except Exception:  # the model is SGLang's to report on; the pool checks again
+        pass
+    return dtype
 
 
 def _loses_scales(found: str | None) -> bool:
@@ -303,38 +293,21 @@ def _refuse_on_this_release(found: str | None) -> None:
 
 
 def refuse_unserved_flags(result: Any, server_args: Any, *args: Any, **kwargs: Any):
-    """After SGLang resolves its server arguments (``ServerArgs.resolve_once``,
-    in every launcher before a model loads): flags our pool would refuse
-    (``refusals.REFUSALS``) stop the launch now, with the pool's reason."""
+    """AFTER hook on ``ServerArgs.resolve_once``, in every launcher before a
+    model loads: a bad setting, or flags our pool would refuse
+    (``refusals.REFUSALS``), stop the launch with the pool's reason."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from sglang_mxfp8_hicache.geometry import FORMATS
     from sglang_mxfp8_hicache.refusals import HiCacheFlags, refusal
 
     view = resolving_view(server_args)
-    if (
-        view.enable_hierarchical_cache
-        and view.kv_cache_dtype in FORMATS
-        and not _uses_mla_pool(server_args, view.model_path)
-    ):
+    dtype = _block_scaled_hicache(server_args, view)
+    if dtype is not None:
         settings.current()  # a variable's bad value stops the launch here
         refused = refusal(HiCacheFlags.from_server_args(view))
         if refused is not None:
-            raise refused.error(view.kv_cache_dtype)
+            raise refused.error(dtype)
     return result
-
-
-def _uses_mla_pool(server_args: Any, model_path: str) -> bool:
-    """Whether SGLang gives the model an MLA pool, which keeps SGLang's own host
-    pool (the table is about ours); False without a model to read."""
-    if str(model_path).lower() in ("dummy", "none"):
-        return False
-    try:
-        from sglang.srt.arg_groups.model_override_base import use_mla_backend
-
-        return bool(use_mla_backend(server_args))
-    except Exception:  # the model is SGLang's to report on; the pool checks again
-        return False
 
 
 def register() -> None:
@@ -374,30 +347,25 @@ def served_hooks() -> list[tuple[str, Callable[..., Any], str]]:
     """(target, hook, ``HookType`` name) of every hook on a served release."""
     from sglang_mxfp8_hicache import storage
 
-    srt = "sglang.srt."
+    mem, host, hybrid = "sglang.srt.mem_cache.", "pool_host.mha.", "hybrid_cache."
     hooks = [
-        (f"{srt}mem_cache.pool_host.mha.get_mha_host_pool_cls", select_host_pool_cls),
+        (mem + host + "get_mha_host_pool_cls", select_host_pool_cls),
         (
-            f"{srt}mem_cache.hybrid_cache.hybrid_pool_assembler._mha_host_inputs",
+            mem + hybrid + "hybrid_pool_assembler._mha_host_inputs",
             refuse_native_fp4_scales,
         ),
         (storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend),
-        (
-            f"{srt}mem_cache.pool_host.mha.prepare_mha_write_back_staging",
-            skip_payload_staging,
-        ),
-        (
-            f"{srt}mem_cache.kv_cache_builder.prepare_hicache_staging",
-            mark_staging_preparation,
-        ),
+        (mem + host + "prepare_mha_write_back_staging", skip_payload_staging),
+        (mem + "kv_cache_builder.prepare_hicache_staging", mark_staging_preparation),
         (SERVER_ARGS_HOOK_TARGET, refuse_unserved_flags),
         (
-            f"{srt}managers.cache_controller.HiCacheController.move_indices",
+            "sglang.srt.managers.cache_controller.HiCacheController.move_indices",
             keep_host_indices_on_cpu,
         ),
         (
-            f"{srt}mem_cache.hybrid_cache.hybrid_cache_controller."
-            "HybridCacheController._move_pool_indices",
+            mem
+            + hybrid
+            + "hybrid_cache_controller.HybridCacheController._move_pool_indices",
             keep_pool_host_indices_on_cpu,
         ),
     ]

@@ -1,18 +1,13 @@
 """Sealed L3 batches: a put seals its pages' parts, then writes them; a get
 reads, then takes the leading pages whose parts carry their seal.
 
-A batch comes in one of two forms, as SGLang's controller hands it to a
-backend: :class:`FlatPages` (``batch_get`` / ``batch_set``: one flat page
-tensor per key) or :class:`HostPages` (``batch_get_v1`` / ``batch_set_v1``:
-host indices of the pool's pages, which the backend reads and writes in
-place). Both give :class:`SealedBatches` the same three things: the backend
-call for a chunk of the batch, the parts of its pages, and what a get's reply
-says arrived. A batch moves in chunks when the ``l3_chunk_pages`` setting asks
-for them (``chunked.py``).
-
-SGLang takes no page after a miss, so a get's result is its leading pages up
-to the first that is missing, of the wrong size, or unsealed; what a read
-wrote past it lies in pages SGLang frees or reads again.
+A batch is :class:`FlatPages` (``batch_get`` / ``batch_set``: a flat page
+tensor per key) or :class:`HostPages` (``batch_*_v1``: the pool's host pages,
+read and written in place); each gives :class:`SealedBatches` a chunk's
+backend call, its pages' parts, and what a get's reply says arrived. SGLang
+takes no page after a miss, so a get keeps the pages before the first that
+is missing, of the wrong size or unsealed; what a read wrote past it lies in
+pages SGLang frees or reads again.
 """
 
 from __future__ import annotations
@@ -42,14 +37,13 @@ UNSEALED = -2
 
 
 class WrongPage(NamedTuple):
-    """A page of a batch that did not arrive whole."""
+    """A page of a batch that did not arrive whole: its place in the batch,
+    its key (or its first wrong object or file), the bytes found (or a
+    backend's negative error, or :data:`UNSEALED`) and the bytes expected."""
 
     page: int
-    """Its place in the batch."""
     name: str
-    """Its key, or the first of its objects or files that is wrong."""
     found: int
-    """Bytes found, a backend's (negative) error, or :data:`UNSEALED`."""
     expected: int
 
 

@@ -19,16 +19,8 @@ from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 logger = logging.getLogger(__name__)
 
 PREFIX = "SGLANG_MXFP8_HICACHE_"
-_SWITCH = {
-    "1": True,
-    "true": True,
-    "yes": True,
-    "on": True,
-    "0": False,
-    "false": False,
-    "no": False,
-    "off": False,
-}
+_SWITCH = dict.fromkeys(("1", "true", "yes", "on"), True)
+_SWITCH.update(dict.fromkeys(("0", "false", "no", "off"), False))
 
 
 def _default_seal_threads() -> int:

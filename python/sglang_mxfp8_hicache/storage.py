@@ -188,13 +188,10 @@ def guard_storage_backend(
     mem_pool_host: Any,
     **kwargs: Any,
 ) -> Any:
-    """AROUND hook on ``StorageBackendFactory.create_backend``.
-
-    SGLang hands the factory the controller's ``storage_host_pool``, the anchor
-    pool itself (never a group): a backend is ours to guard when that is ours.
-    SGLang's test failure injector, when its variables are set, is built
-    again around the guard, so its failures reach the guard as a backend's.
-    """
+    """AROUND hook on ``StorageBackendFactory.create_backend``: a backend is
+    ours to guard when the anchor pool SGLang hands the factory is ours.
+    SGLang's test failure injector is built again around the guard, so its
+    failures reach the guard as a backend's."""
     if not isinstance(getattr(mem_pool_host, "host_page", None), HostPage):
         return original(factory, backend_name, storage_config, mem_pool_host, **kwargs)
     pool = mem_pool_host
@@ -212,24 +209,6 @@ def guard_storage_backend(
     backend = injector._backend if injector is not None else built
     if isinstance(backend, guards.Guard):  # the hook ran twice around one build
         return built
-    _log_guard(pool, backend_name, served, current)
-    if served.guard is None:
-        return built
-    prefix = {"prefix": f"{pool.storage_format_tag}_"} if served.key_prefixed else {}
-    inner_calls = tuple(served.inner_calls or ())
-    guarded = served.guard(backend, pool, current, inner_calls, **prefix)
-    if injector is None:
-        return guarded
-    return type(injector)(guarded, injector._random_delay_limit, injector._failure_prob)
-
-
-def _log_guard(pool: Any, backend_name: str, served: Backend, current: Any) -> None:
-    seals = (
-        f" or seal (seal_threads={current.seal_threads}, "
-        f"l3_chunk_pages={current.l3_chunk_pages})"
-        if served.sealed
-        else ""
-    )
     logger.info(
         "%s: %s pages go to L3 backend %r as %s, key tag %r; a stored page of "
         "another size%s is a miss.",
@@ -238,8 +217,19 @@ def _log_guard(pool: Any, backend_name: str, served: Backend, current: Any) -> N
         backend_name,
         pool.host_page.describe(),
         pool.storage_format_tag,
-        seals,
+        f" or seal (seal_threads={current.seal_threads}, "
+        f"l3_chunk_pages={current.l3_chunk_pages})"
+        if served.sealed
+        else "",
     )
+    if served.guard is None:
+        return built
+    prefix = {"prefix": f"{pool.storage_format_tag}_"} if served.key_prefixed else {}
+    inner_calls = tuple(served.inner_calls or ())
+    guarded = served.guard(backend, pool, current, inner_calls, **prefix)
+    if injector is None:
+        return guarded
+    return type(injector)(guarded, injector._random_delay_limit, injector._failure_prob)
 
 
 def sglang_backend(storage_backend: Any) -> Any:

@@ -449,7 +449,9 @@ def test_flag_refusals_leave_mla_models_alone(monkeypatch, mla):
     does not stop it; an MHA model with the same flags is stopped."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(plugin, "_uses_mla_pool", lambda args, path: mla)
+    monkeypatch.setattr(
+        "sglang.srt.arg_groups.model_override_base.use_mla_backend", lambda args: mla
+    )
     view = SimpleNamespace(
         enable_hierarchical_cache=True,
         kv_cache_dtype="mxfp8",
