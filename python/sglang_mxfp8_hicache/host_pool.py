@@ -1,24 +1,10 @@
 """HiCache host pool for SGLang's block-scaled KV caches: the pool owns its page.
 
 A host page is one span: the K part (every layer's payload run then scale
-run), then the V part (``page.HostPage``). The pool takes its plan
-(``refusals.plan_pool``), builds the page, picks its mover (``transfer``) and
-serves SGLang's host pool interface. That one page serves every host layout
-and io backend SGLang offers for MHA pools (the layout name is kept: SGLang's
-controller places indices by it), and every L3 backend that stores a page's
-bytes as the pool hands them. A backup moves every layer in one call; a load
-issues layer groups as ``loads`` plans them. A caller relies on this:
-
-- Transfers are whole pages, each as its token indices in order, as HiCache
-  hands them. Counts and CPU-resident indices are checked before a byte moves;
-  GPU-resident index values are checked by our kernel, which moves no byte of a
-  malformed page and makes the pool's next transfer raise ``PageIndexError``.
-- Every byte of a transfer moves on the current stream inside the pool call,
-  so the controller's completion events (per write-back, per loaded layer)
-  cover payload and scales alike.
-- Host indices may be on the GPU or the CPU for either direction; device
-  indices on the CPU too (``--hicache-io-backend direct``). CPU indices must be
-  int64.
+run), then the V part (``page.HostPage``). Transfers are whole pages, indices
+on the GPU or the CPU (int64); a malformed page moves no byte. Every byte moves
+on the current stream inside the pool call, so the controller's completion
+events cover payload and scales alike.
 """
 
 from __future__ import annotations
@@ -48,9 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def payload_buffer_info(info: MHABufferInfo, fmt: ScaleFormat) -> MHABufferInfo:
-    """``info`` as the base class must see it: no scales (they are in our
-    page), and head dims the payload bytes of one head (an FP4 pool reports
-    the logical head dim of a uint8 payload, twice its rows)."""
+    """``info`` as the base class sees it: no scales, payload bytes per head."""
     itemsize = info.dtype.itemsize
     return msgspec.structs.replace(
         info,
@@ -60,41 +44,9 @@ def payload_buffer_info(info: MHABufferInfo, fmt: ScaleFormat) -> MHABufferInfo:
     )
 
 
-def chunk_tables(
-    page: HostPage, kv_buffer: torch.Tensor, infos, device, *, pin_memory: bool
-) -> transfer.PageChunkTables:
-    """The page-chunk tables of a host allocation and its device buffers
-    (``infos``: the target's, then each packed draft's)."""
-    (host_base,) = common.make_kernel_ptr_table(
-        [kv_buffer], device, host_memory_registered=pin_memory
-    ).tolist()
-    device_bases = [
-        (k.data_ptr(), ks.data_ptr(), v.data_ptr(), vs.data_ptr())
-        for info in infos
-        for k, ks, v, vs in zip(
-            info.buffers.k, info.scales.k, info.buffers.v, info.scales.v, strict=True
-        )
-    ]
-    return transfer.PageChunkTables(
-        bases=tuple(
-            (*bases, *(host_base + off for off in page.run_offsets(layer)))
-            for layer, bases in enumerate(device_bases)
-        ),
-        host_stride=page.span_bytes,
-        page_size=page.page_size,
-        parts=page.chunk_shapes(),
-        heads=page.heads,
-        device=torch.device(device),
-        host_address=kv_buffer.data_ptr(),
-        staged_layout=page.staged_layout,
-    )
-
-
 @dataclass(frozen=True)
 class TransferChoice:
-    """How a pool moves its pages: ``mover`` builds its mover from its tables
-    (None: ``transfer.choose_mover``'s choice), and ``layer_groups`` gives a
-    load's layer groups (``loads.LayerGroups``)."""
+    """How a pool moves its pages (``mover`` None: ``transfer.choose_mover``'s)."""
 
     mover: transfer.MoverFactory | None = None
     layer_groups: loads.LayerGroups = loads.load_layer_groups
@@ -102,7 +54,6 @@ class TransferChoice:
     def for_page(
         self, page: HostPage, staging_bytes: int, label: str
     ) -> TransferChoice:
-        """This choice with its mover decided, before the pool allocates."""
         if self.mover is not None:
             return self
         mover = transfer.choose_mover(
@@ -112,21 +63,13 @@ class TransferChoice:
 
 
 class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
-    """MHA host pool of block-scaled KV (MXFP8 and the FP4 recipes) whose page
-    holds payload and scales in one span; named as SGLang's MXFP8 class.
-
-    Sizing counts the scale bytes; ``kv_buffer`` is the one host allocation,
-    ``(pages, span bytes)``, and ``k_buffer`` / ``v_buffer`` are its K and V
-    parts. The constructor is SGLang's; the keywords it does not read itself
-    (``base``: device capacity, layer range, head groups) go to SGLang's as
-    given. :meth:`with_transfer` makes a class that moves its pages another way.
-    """
+    """MHA host pool of block-scaled KV, payload and scales in one span per page;
+    named as SGLang's MXFP8 class. ``kv_buffer``: ``(pages, span bytes)``."""
 
     transfer_choice: ClassVar[TransferChoice] = TransferChoice()
 
     @classmethod
     def with_transfer(cls, choice: TransferChoice) -> type[MHATokenToKVPoolMXFP8Host]:
-        """This class moving its pages as ``choice`` says."""
         body = {"transfer_choice": choice, "__module__": cls.__module__}
         return type(cls.__name__, (cls,), body)
 
@@ -145,8 +88,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         pool_label: str = "kv",
         **base: Any,
     ):
-        # Everything is checked before a byte is allocated; the base constructor
-        # calls get_size_per_token(), so the page must exist before it runs.
+        # All is checked before a byte is allocated; the base reads the page.
         self._scaled_infos = (buffer_info, *draft_buffer_infos)
         self.flags, self.page_shape, self.host_page = refusals.plan_pool(
             self._scaled_infos, page_size, layout, allocator_type, pool_label
@@ -167,22 +109,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             **base,
         )
         self.storage_format_tag = self.host_page.storage_format_tag()
-        self._log_pool()
-
-    def _init_base(self, **geometry: Any) -> None:
-        """SGLang's constructor, given the payload alone (the scales are in the
-        page) and not the write-back staging SGLang may hand over (it serves
-        its own page_first kernel); a failure half way releases what it made."""
-        payload = functools.partial(payload_buffer_info, fmt=self.host_page.fmt)
-        info, *drafts = map(payload, self._scaled_infos)
-        geometry.update(draft_buffer_infos=tuple(drafts), write_back_staging=None)
-        try:
-            releases.init_host_base(self, info, **geometry)
-        except BaseException:
-            self.destroy()
-            raise
-
-    def _log_pool(self) -> None:
         page, size = self.host_page, self.size
         scale_bytes = size * page.scale_bytes_per_token
         seal_bytes = self.page_num * page.seal_bytes
@@ -207,9 +133,19 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             self._mover.describe(self._backup_prepared),
         )
 
+    def _init_base(self, **geometry: Any) -> None:
+        """SGLang's constructor, given the payload alone; releases on failure."""
+        payload = functools.partial(payload_buffer_info, fmt=self.host_page.fmt)
+        info, *drafts = map(payload, self._scaled_infos)
+        geometry.update(draft_buffer_infos=tuple(drafts), write_back_staging=None)
+        try:
+            releases.init_host_base(self, info, **geometry)
+        except BaseException:
+            self.destroy()
+            raise
+
     def refusal_with_storage(self, backend: str) -> refusals.Refused | None:
-        """The plan's first refusal of this pool's flags with L3 ``backend``
-        (at startup, or attached at run time), or None."""
+        """The plan's first refusal of this pool with L3 ``backend``, or None."""
         flags = dataclasses.replace(self.flags, storage_backend=backend)
         return refusals.refusal(flags, self.page_shape)
 
@@ -220,7 +156,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return self.host_page.k_part.span_bytes // self.page_size
 
     def init_kv_buffer(self) -> torch.Tensor:
-        """One allocation of whole page spans, registered page by page."""
         span = self.host_page.span_bytes
         return common.ALLOC_MEMORY_FUNCS[self._transfer_device.type](
             (self.page_num, span // self.dtype.itemsize),
@@ -232,7 +167,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
 
     def _parts(self, spans: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V parts of ``spans`` (views)."""
         k = self.host_page.k_part.span_bytes // self.dtype.itemsize
         return spans[..., :k], spans[..., k:]
 
@@ -245,23 +179,39 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return self._parts(self.kv_buffer)[1]
 
     def _initialize_transfer_views(self, buffer_info, write_back_staging) -> None:
-        """SGLang's per-layer payload views and staging do not apply to the
-        owned page: this builds its mover and its load planner instead."""
-        # No per-layer host regions: PD decode host receive, which writes
-        # them, is refused.
+        """Builds the mover and load planner instead of SGLang's per-layer views."""
         self.k_data_refs, self.v_data_refs, self.host_kv_data_refs = [], [], []
         self.can_use_jit = False
         self.staging_k_buffer = self.staging_v_buffer = None
-        # SGLang's controller keeps a page_first backup's host indices on the
-        # CPU when this is set; ours reads their page starts there, so nothing
-        # is uploaded.
+        # Keeps a page_first backup's host indices on the CPU: nothing uploads.
         self.can_use_write_back_jit = self.layout == "page_first"
-        tables = chunk_tables(
-            self.host_page,
-            self.kv_buffer,
-            self._scaled_infos,
-            self._transfer_device,
-            pin_memory=self.pin_memory,
+        page, device = self.host_page, self._transfer_device
+        (host_base,) = common.make_kernel_ptr_table(
+            [self.kv_buffer], device, host_memory_registered=self.pin_memory
+        ).tolist()
+        device_bases = [
+            (k.data_ptr(), ks.data_ptr(), v.data_ptr(), vs.data_ptr())
+            for info in self._scaled_infos
+            for k, ks, v, vs in zip(
+                info.buffers.k,
+                info.scales.k,
+                info.buffers.v,
+                info.scales.v,
+                strict=True,
+            )
+        ]
+        tables = transfer.PageChunkTables(
+            bases=tuple(
+                (*bases, *(host_base + off for off in page.run_offsets(layer)))
+                for layer, bases in enumerate(device_bases)
+            ),
+            host_stride=page.span_bytes,
+            page_size=page.page_size,
+            parts=page.chunk_shapes(),
+            heads=page.heads,
+            device=torch.device(device),
+            host_address=self.kv_buffer.data_ptr(),
+            staged_layout=page.staged_layout,
         )
         self._mover = self.transfer_choice.mover(tables)
         self._backup_prepared = self._mover.prepare(range(self.layer_num))
@@ -300,9 +250,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         *,
         is_draft: bool = False,
     ) -> None:
-        """Issues ``layer_id``'s layer group with the first of its layers this
-        transfer loads (``loads.LoadPlanner``), so every layer is on its way
-        before its own call returns, whatever order the layer mapper gives."""
+        """Issues ``layer_id``'s group with the first of its layers loaded."""
         self._require_io(io_backend)
         prepared = self._loads.issue(
             layer_id, host_indices, device_indices, is_draft=is_draft
@@ -311,10 +259,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             self._mover.raise_if_refused()
             self._mover.move(prepared, host_indices, device_indices, to_host=False)
 
-    # L3: the host page is the stored page.
-
     def _page_of(self, index) -> int:
-        """The host page that starts at token ``index``; L3 moves whole pages."""
         index = int(index)
         if index % self.page_size or not 0 <= index < self.size:
             raise ValueError(
@@ -324,8 +269,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return index // self.page_size
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        """The page's span, a view. ``flat=False``: its K and V parts as two
-        rows, or a tuple where asymmetric heads make them differ in size."""
+        """The page's span; ``flat=False``: its K and V parts, as rows if equal."""
         span = self.kv_buffer[self._page_of(index)]
         if flat:
             return span
@@ -333,8 +277,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return span.view(2, -1) if k.numel() == v.numel() else (k, v)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        # Pinned as SGLang's base class makes it: torch caches pinned blocks,
-        # where plain pages would be mapped and faulted in for every read.
+        # Pinned as SGLang's is: torch caches pinned blocks.
         return torch.empty(
             self.kv_buffer.shape[1], dtype=self.dtype, pin_memory=self.pin_memory
         )
@@ -351,9 +294,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         span.view(torch.uint8).copy_(data)
 
     def page_numbers(self, indices) -> np.ndarray:
-        """The host page of each page of ``indices`` (whole pages, any device);
-        raises on a page not at a page start. In numpy: torch's per-op cost
-        would be most of a one-page L3 get."""
+        """Each page's host page; raises on one not at a page start (numpy: cheap)."""
         starts = indices[:: self.page_size].cpu().numpy().astype(np.int64, copy=False)
         pages, offsets = np.divmod(starts, self.page_size)
         if offsets.any():
@@ -361,7 +302,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return pages
 
     def _page_addresses(self, indices) -> np.ndarray:
-        """The host address of each page of ``indices`` (``page_numbers``)."""
         span = self.host_page.span_bytes
         return self.kv_buffer.data_ptr() + self.page_numbers(indices) * span
 
@@ -373,7 +313,6 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return pointers.ravel().tolist(), sizes
 
     def get_hybrid_pool_buffer(self) -> list[torch.Tensor]:
-        # The one allocation covers every span a zero-copy backend reads.
         return [self.kv_buffer]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
@@ -382,8 +321,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         return all(start % page_size_bytes == 0 for start in starts)
 
     def get_split_heads_page_buffer_meta(self, indices, split_factor):
-        """Per page and head group, the group's K then V bytes: pointers and
-        sizes (mooncake's split heads, ``page_head`` only)."""
+        """Per page and head group, its K then V pointers and sizes."""
         page, heads = self.host_page, self.host_page.k.head_num
         if not page.heads_major or split_factor <= 0 or heads % split_factor:
             raise NotImplementedError(

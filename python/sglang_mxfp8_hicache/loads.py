@@ -1,9 +1,8 @@
 """A load's layer groups: what each ``load_to_device_per_layer`` call issues.
 
-SGLang loads a transfer one layer call at a time, and the forward pass waits
-on layer 0 first: it goes alone, then doubling groups 1 | 2-3 | 4-7 | ...,
-merged until each is worth its launch, each issued with the first of its
-layers the transfer loads: at most 1 + ceil(log2 L) launches for L layers.
+Layer 0 goes alone (the forward pass waits on it first), then doubling groups
+1 | 2-3 | 4-7 | ..., merged until each is worth its launch, each issued with
+the first of its layers the transfer loads.
 """
 
 from __future__ import annotations
@@ -16,21 +15,17 @@ if TYPE_CHECKING:
     from sglang_mxfp8_hicache.transfer import PageChunkMover
 
 MIN_LOAD_GROUP_BYTES = 1 << 20
-"""The least a group after layer 0 carries: a smaller one gains less by
-arriving early than its launch costs (``docs/benchmarks.md``)."""
+"""The least a group after layer 0 carries: less gains less than its launch costs."""
 ONE_LAUNCH_BYTES = 256 << 10
-"""A load whose layers after layer 0 carry less moves in one launch: the link
-moves them in about the time a second launch takes to issue."""
+"""A load whose layers after layer 0 carry less moves in one launch."""
 
 LayerGroups = Callable[..., list[range]]
 """``(layer_num, layer_bytes, *, min_layers)`` to a load's layer groups."""
-_Plan = tuple[list[object], dict[int, int]]
-"""A load size's prepared groups, and the group of each layer."""
+_Plan = tuple[list[object], dict[int, int]]  # prepared groups, group of each layer
 
 
 def doubling_layer_groups(layer_num: int) -> list[range]:
-    """Layers 0 | 1 | 2-3 | 4-7 | ...: every later layer is on the device
-    before the forward pass reaches it (a load goes up from layer 0)."""
+    """Layers 0 | 1 | 2-3 | 4-7 | ..."""
     starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
     return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
 
@@ -42,11 +37,9 @@ def load_layer_groups(
     one_launch_bytes: int = ONE_LAUNCH_BYTES,
     min_layers: int = 1,
 ) -> list[range]:
-    """Layer 0 alone, then the doubling groups, each merged with the next
-    until it carries ``min_group_bytes`` of layers of ``layer_bytes`` and
-    holds ``min_layers`` layers; a last group short of either joins the one
-    before it. Every layer at once if those after layer 0 carry less than
-    ``one_launch_bytes``."""
+    """Layer 0, then the doubling groups, each merged on until it carries
+    ``min_group_bytes`` and ``min_layers`` (a short last group joins the one
+    before); one group if layers 1.. carry under ``one_launch_bytes``."""
     if (layer_num - 1) * layer_bytes < one_launch_bytes:
         return [range(layer_num)]
 
@@ -67,11 +60,9 @@ def load_layer_groups(
 
 
 class LoadPlanner:
-    """What a pool's mover issues for each layer call of a load. No layer
-    order is assumed (a hybrid pool's mapper may start anywhere): a transfer
-    is one pair of index tensors, and a layer seen again begins a new one.
-    Packed draft layers move alone. A staged group's pieces are its layers of
-    one page, so groups hold enough layers for ``mover.min_piece_bytes``."""
+    """What a pool's mover issues for each layer call of a load, in any layer
+    order: a transfer is one pair of index tensors; a layer seen again begins
+    a new one. Draft layers move alone."""
 
     def __init__(
         self,
@@ -94,17 +85,13 @@ class LoadPlanner:
             layer: mover.prepare(range(layer, layer + 1))
             for layer in range(target_layers, page.layer_num)
         }
-        # The load under way: its index tensors (kept, so that a later pair
-        # cannot reuse their identity), its plan, its layers seen, its groups
-        # issued.
+        # The load under way (its index tensors kept: no later pair reuses their id).
         self._indices: tuple[object, object] = (None, None)
         self._plan: _Plan = ([], {})
-        self._seen: set[int] = set()
-        self._issued: set[int] = set()
+        self._seen, self._issued = set[int](), set[int]()
 
     @property
     def most_groups(self) -> int:
-        """The layer groups of the largest loads, for the pool's log line."""
         return len(self._plan_of(self._full_pages)[0])
 
     def _plan_of(self, pages: int) -> _Plan:
@@ -122,9 +109,7 @@ class LoadPlanner:
         return self._plans[pages]
 
     def issue(self, layer_id: int, host_indices, device_indices, *, is_draft: bool):
-        """The prepared group to move for ``layer_id`` of this transfer, or
-        None where it is on its way already (or is a draft layer loaded
-        without ``is_draft``)."""
+        """The prepared group to move for ``layer_id``, or None if on its way."""
         if is_draft:
             return self._drafts.get(layer_id)
         if layer_id >= self._target_layers:

@@ -1,22 +1,9 @@
 """The plan of a block-scaled host page: the page a setup gets, or why not.
 
 :func:`plan_page` is a pure function of the server's flags
-(:class:`HiCacheFlags`) and the pool's shape (:class:`PageShape`). It returns
-the :class:`~sglang_mxfp8_hicache.page.HostPage`, or the first row of the
-refusal table that applies (:class:`Refused`: the flag to change and why).
-Rows on flags come first, then rows on the shape, then the storage backend's,
-so every caller that knows the facts of a row gets the same first refusal:
-
-- the plugin, right after SGLang resolves its server arguments
-  (``ServerArgs.resolve_once``, flags only): ``launch_server`` with flags the
-  pool cannot serve fails within seconds, before a model loads;
-- the pool's constructor (:func:`plan_pool`): the running server's flags
-  (:func:`server_flags`) and the device pool's shape; then what only the
-  device buffers tell (:data:`BUFFER_CHECKS`: page size, drafts, scale
-  layout, contiguity);
-- the storage factory hook (``storage``): the pool's flags and shape, with the
-  backend being built;
-- ``size``: the flags and the model's shape, for its bytes per token.
+(:class:`HiCacheFlags`) and the pool's shape (:class:`PageShape`): the host page,
+or the first row of the refusal table that applies. Rows on flags come first,
+so every caller that knows a row's facts gets the same first refusal.
 """
 
 from __future__ import annotations
@@ -42,30 +29,23 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 
 SERVED_LAYOUTS = ("page_first", "page_first_direct", "layer_first", "page_head")
-"""Host layouts SGLang offers for MHA pools, all served: ``page_head`` by the
-heads-major page (L3 head groups shared across TP sizes), the others by the
-layer-major one; SGLang's controller places a transfer's indices by the name."""
+"""Host layouts SGLang offers for MHA pools, all served."""
 HEADS_MAJOR_LAYOUT = "page_head"
 SERVED_IO_BACKENDS = ("kernel", "direct")
 
 
 @dataclass(frozen=True)
 class HiCacheFlags:
-    """The flags the table reads, as the server resolved them."""
-
     kv_cache_dtype: str
     page_size: int
     mem_layout: str
     io_backend: str = "kernel"
     storage_backend: str | None = None
-    """``--hicache-storage-backend``, or None (also SGLang's "default")."""
     decode_host_receive: bool = False
     device_kernels: bool = True
-    """Whether the platform runs SGLang's JIT HiCache kernels (CUDA, ROCm)."""
 
     @classmethod
     def from_server_args(cls, args: Any) -> HiCacheFlags:
-        """From a resolved ``ServerArgs`` (or its resolving view)."""
         threshold = args.disaggregation_decode_host_receive_threshold
         return cls(
             kv_cache_dtype=args.kv_cache_dtype,
@@ -79,8 +59,7 @@ class HiCacheFlags:
 
 @dataclass(frozen=True)
 class PageShape:
-    """What a pool's host page holds: one layer's K and V heads and the layers
-    (packed draft layers included)."""
+    """One layer's K and V heads, and the layers (packed drafts included)."""
 
     head_num: int
     head_dim: int
@@ -90,8 +69,6 @@ class PageShape:
 
 @dataclass(frozen=True)
 class Refusal:
-    """A row of the table: the flag, when it applies, and why."""
-
     flag: str
     applies: Callable[[HiCacheFlags, PageShape], bool]
     reason: Callable[[HiCacheFlags, PageShape], str]
@@ -100,13 +77,10 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Refused:
-    """The first row that applies to a setup: its flag and its reason."""
-
     flag: str
     reason: str
 
     def error(self, fmt_name: str, pool_label: str | None = None):
-        """The error to raise (``errors.refusal_error``)."""
         return refusal_error(self.reason, fmt_name, pool_label)
 
 
@@ -192,8 +166,7 @@ REFUSALS: tuple[Refusal, ...] = (
             f"{releases.NEWEST}'s FP4 KV pool builds V's payload and scales at K's "
             "head_dim (its quant method's create_buffers takes one head_dim), so "
             "the device V rows are not the V heads; SGLang serves no asymmetric "
-            "FP4 KV cache. "
-            "Use --kv-cache-dtype mxfp8 for this model."
+            "FP4 KV cache. Use --kv-cache-dtype mxfp8 for this model."
         ),
         needs_shape=True,
     ),
@@ -210,8 +183,7 @@ def _dims(shape: PageShape) -> tuple[int, ...]:
 
 
 def refusal(flags: HiCacheFlags, shape: PageShape | None = None) -> Refused | None:
-    """The first row of the table that applies to what is known (rows on the
-    shape apply only where it is), or None if none does."""
+    """The first row that applies to what is known, or None."""
     for row in REFUSALS:
         if (shape is not None or not row.needs_shape) and row.applies(flags, shape):
             return Refused(row.flag, row.reason(flags, shape))
@@ -219,24 +191,18 @@ def refusal(flags: HiCacheFlags, shape: PageShape | None = None) -> Refused | No
 
 
 def plan_page(flags: HiCacheFlags, shape: PageShape) -> HostPage | Refused:
-    """The host page of a pool of ``shape`` under ``flags``, or its refusal."""
     refused = refusal(flags, shape)
     if refused is not None:
         return refused
-    side = dict(head_num=shape.head_num, page_size=flags.page_size)
-    side["fmt"] = FORMATS[flags.kv_cache_dtype]
-    k, v = (
-        ScaleGeometry(head_dim=d, **side) for d in (shape.head_dim, shape.v_head_dim)
-    )
+    side = dict(fmt=FORMATS[flags.kv_cache_dtype], head_num=shape.head_num)
+    dims = (shape.head_dim, shape.v_head_dim)
+    k, v = (ScaleGeometry(head_dim=d, page_size=flags.page_size, **side) for d in dims)
     heads_major = flags.mem_layout == HEADS_MAJOR_LAYOUT
     return HostPage(k, v, layer_num=shape.layer_num, heads_major=heads_major)
 
 
-# -- the pool's constructor: the running server, then the device buffers ---------
-
-
 def configured_io_backend() -> str | None:
-    """`--hicache-io-backend` of the running server, or None outside a server."""
+    """The running server's io backend, or None outside a server."""
     from sglang.srt.runtime_context import get_memory
 
     try:
@@ -246,7 +212,6 @@ def configured_io_backend() -> str | None:
 
 
 def decode_host_receive() -> bool:
-    """Whether the running server receives PD decode KV into the host pool."""
     from sglang.srt.runtime_context import get_disagg
 
     try:
@@ -257,26 +222,9 @@ def decode_host_receive() -> bool:
 
 
 def platform_kernels() -> bool:
-    """Whether this platform runs SGLang's JIT HiCache kernels."""
     from sglang.srt.platforms import current_platform
 
     return releases.hicache_device_kernels(current_platform)
-
-
-def server_flags(
-    kv_cache_dtype: str, page_size: int, mem_layout: str, storage_backend: str
-) -> HiCacheFlags:
-    """The flags of a pool being built: its own, then what the running server
-    says of its io backend, PD host receive and platform kernels."""
-    return HiCacheFlags(
-        kv_cache_dtype=kv_cache_dtype,
-        page_size=page_size,
-        mem_layout=mem_layout,
-        io_backend=configured_io_backend() or "kernel",
-        storage_backend=storage_backend,
-        decode_host_receive=decode_host_receive(),
-        device_kernels=platform_kernels(),
-    )
 
 
 def buffer_format(info: MHABufferInfo, pool_label: str) -> ScaleFormat:
@@ -303,9 +251,7 @@ def buffer_format(info: MHABufferInfo, pool_label: str) -> ScaleFormat:
 
 @dataclass(frozen=True)
 class DeviceBuffers:
-    """What a pool is handed: the target's buffers, its packed MTP/NextN
-    drafts (tail layers of its pages) and the host page size, checked against
-    the planned page. Each check gives its refusal's reason, or None."""
+    """A pool's device buffers; each check gives its refusal's reason, or None."""
 
     info: MHABufferInfo
     drafts: Sequence[MHABufferInfo]
@@ -336,13 +282,10 @@ class DeviceBuffers:
         return None
 
     def scale_layout_reason(self) -> str | None:
-        """The device scales are laid out as the planned page's."""
         page, scales = self.page, self.info.scales
+        sides = zip("kv", (scales.k[0], scales.v[0]), (page.k, page.v), strict=True)
         try:
-            for side, scale, geometry in (
-                ("k", scales.k[0], page.k),
-                ("v", scales.v[0], page.v),
-            ):
+            for side, scale, geometry in sides:
                 ScaleGeometry.from_device_scales(
                     scale,
                     fmt=page.fmt,
@@ -390,12 +333,18 @@ def plan_pool(
     allocator_type: str,
     pool_label: str,
 ) -> tuple[HiCacheFlags, PageShape, HostPage]:
-    """The flags, shape and page of a pool of ``infos`` (the target's device
-    buffers, then its packed drafts'), before a byte is allocated; raises the
-    first refusal: the plan's (:func:`plan_page`), then the buffers'."""
+    """The flags, shape and page of a pool; raises the first refusal."""
     info, *drafts = infos
     fmt = buffer_format(info, pool_label)
-    flags = server_flags(fmt.name, info.page_size, layout, allocator_type)
+    flags = HiCacheFlags(  # the pool's own, then the running server's
+        kv_cache_dtype=fmt.name,
+        page_size=info.page_size,
+        mem_layout=layout,
+        io_backend=configured_io_backend() or "kernel",
+        storage_backend=allocator_type,
+        decode_host_receive=decode_host_receive(),
+        device_kernels=platform_kernels(),
+    )
     layers = len(info.buffers.k) + len(drafts)
     shape = PageShape(info.head_num, info.head_dim, info.v_head_dim, layers)
     page = plan_page(flags, shape)

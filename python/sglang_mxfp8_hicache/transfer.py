@@ -1,27 +1,15 @@
 """The movers of page chunks: our kernel, and SGLang's JIT kernel as the fallback.
 
-A transfer moves whole pages of some layers: for each (page, layer), the four
-runs of ``page.PARTS`` between a device page number times the run's bytes and
-a host page number times the span's. A mover binds one pool's base addresses
-(:class:`PageChunkTables`) and answers the pool as :class:`PageChunkMover`:
-
-- :class:`PageChunkKernel` (``csrc/page_chunks.cuh``): one launch per transfer.
-  It reads each page's token indices itself and checks GPU-resident ones: a
-  page that is not one aligned run is not moved, and the next transfer raises
-  :class:`PageIndexError` (the CPU reading them would synchronise every call).
-- :class:`StagedPageChunks`: that kernel between the device pages and a device
-  staging ring, and the copy engines across the link
-  (``csrc/staged_copies.cuh``), so the forward pass's SMs are not held for
-  the link's time.
-- :class:`SGLangChunkKernels`: SGLang's JIT kernel, for when ours does not build.
-
-All refuse, before a byte moves, a transfer whose index count is not whole
-pages, and CPU index tensors whose pages are not aligned runs.
+For each (page, layer) a transfer moves the four runs of ``page.PARTS``. Our
+kernel moves no page that is not one aligned run: the next transfer raises
+:class:`PageIndexError`. All refuse, before a byte moves, a count that is not
+whole pages and CPU indices whose pages are not aligned runs.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -43,18 +31,14 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCE = CSRC / "page_chunks.cuh"
-STAGED_SOURCE = CSRC / "staged_copies.cuh"
 BLOCK_SIZE = 1024
 UNROLL = 4
 MAX_BLOCKS = 8
-"""Thread blocks of 1024 one launch of ours may take: enough to fill the link,
-few enough to leave the forward pass its SMs (``docs/benchmarks.md``)."""
-VECTOR_BYTES = (16, 8, 4, 2, 1)
+"""Blocks per launch: enough to fill the link, few enough to spare the SMs."""
 FALLBACK_MAX_ELEMENT = 32 * 1024
 """Largest element SGLang's JIT kernels move (its TMA kernel's row limit)."""
 COPY_LANES = 8
-"""Streams a staged transfer's copies are spread over: a copy of a few
-hundred KiB is bound by its copy engine's per-copy cost, which engines share."""
+"""Streams a staged transfer's copies are spread over (per-copy cost bound)."""
 
 
 class PageIndexError(RuntimeError):
@@ -67,14 +51,12 @@ class TransferUnavailable(RuntimeError):
 
 def vector_bytes(sizes: Sequence[int]) -> int:
     """The widest vector that divides every run size and offset."""
-    return next(v for v in VECTOR_BYTES if all(size % v == 0 for size in sizes))
+    return next(v for v in (16, 8, 4, 2, 1) if all(size % v == 0 for size in sizes))
 
 
 @dataclass(frozen=True)
 class PageChunkTables:
-    """Per layer, the device base address of each run, then its host base
-    address (device-accessible) in host page 0; host page h adds h *
-    ``host_stride``."""
+    """Per layer, each run's device base, then its host base in host page 0."""
 
     bases: tuple[tuple[int, ...], ...]
     host_stride: int
@@ -83,22 +65,18 @@ class PageChunkTables:
     """How each part (``PARTS``) moves, ``heads`` chunks per page and layer."""
     heads: int
     device: torch.device
-    host_address: int = 0
-    """The CPU address of host page 0 (the copy engines' side of a staged move)."""
+    host_address: int = 0  # the CPU address of host page 0
     staged_layout: Callable[[range], StagedLayout | None] | None = None
-    """How a range of layers sits in staging (``HostPage.staged_layout``)."""
 
     @property
     def run_bytes(self) -> tuple[int, ...]:
-        """Bytes of each part of one page and layer (all heads)."""
         return tuple(part.bytes * self.heads for part in self.parts)
 
 
 def check_transfer_pages(
     host_indices: torch.Tensor, device_indices: torch.Tensor, page_size: int, what: str
 ) -> None:
-    """Counts of whole pages, and on each CPU-resident side, every page one
-    aligned run (its first and last token), as ``csrc/page_chunks.cuh`` checks."""
+    """Whole pages, and on each CPU side every page one aligned run."""
     count = device_indices.numel()
     if host_indices.numel() != count:
         raise RuntimeError(
@@ -129,41 +107,35 @@ class PageChunkMover:
 
     name = ""
     min_piece_bytes = 0
-    """Staged pieces of fewer bytes move by SM copies; a load's layer groups
-    carry at least this much of a page."""
+    """A load's layer groups carry at least this much of a page."""
 
     def __init__(self, tables: PageChunkTables) -> None:
         self._tables = tables
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> object:
-        """What ``move`` needs for these layers, made once, not per transfer;
-        ``by_sm``: loads by SM copies only (a load's first group, which the
-        forward pass waits for)."""
+        """What ``move`` needs, made once; ``by_sm``: loads by SM copies only."""
         raise NotImplementedError
 
     def move(self, prepared, host_indices, device_indices, *, to_host: bool) -> None:
         raise NotImplementedError
 
     def raise_if_refused(self) -> None:
-        """Raises if an earlier launch refused a page (module docstring)."""
+        """Raises if an earlier launch refused a page."""
 
     def describe(self, backup: object) -> str:
-        """What the pool's log line says of staging, given the pool's
-        prepared ``backup`` of every layer: "" or a clause."""
+        """The log line's clause on staging, or ""."""
         return ""
 
 
 @cache_once
 def page_chunks_module(vector: int) -> Module:
-    """Our entry points for runs of whole ``vector``-byte words: ``transfer``
-    (``csrc/page_chunks.cuh``), ``staged_transfer`` and ``create_lanes``
-    (``csrc/staged_copies.cuh``)."""
+    """Our entry points for runs of whole ``vector``-byte words."""
     args = make_cpp_args(vector, UNROLL, BLOCK_SIZE)
     staged = f"sglang_mxfp8_hicache::StagedPageChunks<{args}>"
     return load_jit(
         "sglang_mxfp8_hicache_page_chunks",
         *args,
-        cuda_files=[str(STAGED_SOURCE)],
+        cuda_files=[str(CSRC / "staged_copies.cuh")],
         cuda_wrappers=[
             ("transfer", f"&sglang_mxfp8_hicache::PageChunkKernel<{args}>::transfer"),
             ("staged_transfer", f"&{staged}::transfer"),
@@ -187,28 +159,17 @@ class PageChunkKernel(PageChunkMover):
         )
         self._all = torch.tensor(tables.bases, dtype=torch.uint64, device=tables.device)
         self._parts = torch.tensor(fields, dtype=torch.int64).view(len(PARTS), -1)
-        # Pinned, so the kernel can write it and the CPU read it without a copy.
         pinned = torch.cuda.is_available()
         self._refused = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
         self._refused_words = self._refused.numpy()
+        self._args = (self._parts, tables.heads, tables.host_stride, tables.page_size)
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> torch.Tensor:
         return self._all[layers.start : layers.stop]
 
     def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
-        tables = self._tables
-        self._module.transfer(
-            prepared,
-            self._refused,
-            host_indices,
-            device_indices,
-            self._parts,
-            tables.heads,
-            tables.host_stride,
-            tables.page_size,
-            to_host,
-            self.max_blocks,
-        )
+        indices = (prepared, self._refused, host_indices, device_indices)
+        self._module.transfer(*indices, *self._args, to_host, self.max_blocks)
 
     def raise_if_refused(self) -> None:
         side, first_token = self._refused_words.tolist()
@@ -226,25 +187,20 @@ class PageChunkKernel(PageChunkMover):
 
 @dataclass
 class StagingRing:
-    """Device staging of one direction on one GPU and its copy lanes, shared
-    by the process's pools (a server moves one transfer per direction at a
-    time)."""
+    """One direction's device staging and copy lanes, shared by the process."""
 
     SLOTS = 2
 
     buffer: torch.Tensor
     lanes: int
-    """The lanes' handle (a C++ ``CopyLanes``)."""
 
     @property
     def slot_bytes(self) -> int:
         return self.buffer.numel() // self.SLOTS
 
     def slot_pages(self, stride: int) -> tuple[int, int]:
-        """(staged pages per slot, the staged page where slot 1 begins) for
-        staged pages of ``stride`` bytes. Each slot's pages lie within its own
-        half whatever the stride, so the events that order a slot's reuse hold
-        for moves of any stride (layer groups, other pools) from any stream."""
+        """(staged pages per slot, the staged page where slot 1 begins); each
+        slot's pages stay in its half, so reuse events hold for any stride."""
         second = -(-self.slot_bytes // stride)
         return self.SLOTS * self.slot_bytes // stride - second, second
 
@@ -255,33 +211,24 @@ _rings: dict[tuple[str, bool], StagingRing | None] = {}
 def staging_ring(
     device: torch.device, module: Module, staging_bytes: int, *, to_host: bool
 ) -> StagingRing | None:
-    """The process's ring of ``device`` for one direction (half of
-    ``staging_bytes``), made on first use; None if that leaves no slot."""
+    """The process's ring of ``device`` for one direction, or None if no slot fits."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), to_host)
-    if key not in _rings:
-        slot = staging_bytes // 2 // StagingRing.SLOTS // 4096 * 4096
-        ring = None
-        if slot:
-            buffer = torch.empty(
-                StagingRing.SLOTS * slot, dtype=torch.uint8, device=device
-            )
-            handle = torch.zeros(1, dtype=torch.int64)
-            on_device = (
-                torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-            )
-            with on_device:  # the lanes' streams and events are made on it
-                module.create_lanes(handle, COPY_LANES)
-            ring = StagingRing(buffer, int(handle))
-        _rings[key] = ring
+    slot = staging_bytes // 2 // StagingRing.SLOTS // 4096 * 4096
+    if key in _rings or not slot:
+        return _rings.setdefault(key, None)
+    buffer = torch.empty(StagingRing.SLOTS * slot, dtype=torch.uint8, device=device)
+    handle = torch.zeros(1, dtype=torch.int64)
+    cuda = device.type == "cuda"
+    with torch.cuda.device(device) if cuda else nullcontext():  # the lanes' streams
+        module.create_lanes(handle, COPY_LANES)
+    _rings[key] = StagingRing(buffer, int(handle))
     return _rings[key]
 
 
 def reserve_staging(device: torch.device, staging_bytes: int) -> int:
-    """Makes the process's staging rings on a CUDA ``device`` now (SGLang
-    measures the KV budget after its own staging is prepared, and these then
-    count against it as that would have); their bytes."""
+    """Makes the staging rings now, before SGLang measures the KV budget."""
     if device.type != "cuda" or not staging_bytes:
         return 0
     module = page_chunks_module(16)
@@ -293,9 +240,7 @@ def reserve_staging(device: torch.device, staging_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class _StagedPlan:
-    """A layer range's staged move in one direction: the staged page's stride,
-    the staged pages of a slot, and the kernel's arguments before and after
-    the transfer's indices."""
+    """The staged kernel's arguments before and after the transfer's indices."""
 
     stride: int
     slot_pages: int
@@ -305,27 +250,22 @@ class _StagedPlan:
 
 @dataclass(frozen=True)
 class StagedPrepared:
-    """What ``StagedPageChunks.move`` takes for one layer range."""
+    """A layer range's moves; a direction without a staged plan moves by SM."""
 
     direct: torch.Tensor
     staged: dict[bool, _StagedPlan] = field(default_factory=dict)
-    """By direction (``to_host``); a direction without a plan moves by SM."""
 
 
 class StagedPageChunks(PageChunkKernel):
-    """Ours through device staging and the copy engines (module docstring),
-    for a transfer whose host indices are CPU int64, whose bytes reach
-    ``min_bytes`` and whose layer range's pieces reach ``min_piece_bytes``;
-    every other transfer moves as :class:`PageChunkKernel` moves it."""
+    """Ours through device staging and the copy engines, for CPU int64 host
+    indices of ``min_bytes``; others move as :class:`PageChunkKernel` moves."""
 
     name = "sglang-mxfp8-hicache page_chunks through device staging"
     min_bytes = 4 << 20
-    """A transfer of less moves by the SM kernel: it holds the SMs too briefly
-    to slow the forward pass, and a staged move takes longer to start."""
+    """Less holds the SMs too briefly to matter; staging starts slower."""
     min_piece_bytes = 64 << 10
     """The copy engines move smaller copies far below the link's speed."""
     gather_blocks_per_sm = 2
-    """The staging kernel takes every SM, for the shortest time."""
 
     def __init__(self, tables: PageChunkTables, *, staging_bytes: int) -> None:
         super().__init__(tables)
@@ -415,9 +355,7 @@ def fallback_element(run_bytes: int) -> int | None:
 
 
 class SGLangChunkKernels(PageChunkMover):
-    """SGLang's ``transfer_hicache_all_layer_mla`` over page numbers, one
-    pointer-table entry per (layer, slice of a run), one launch per run size.
-    It checks no index values, so nothing is ever refused."""
+    """SGLang's kernel over page numbers; it checks no index values."""
 
     name = "SGLang's transfer_hicache_all_layer_mla"
 
@@ -430,9 +368,7 @@ class SGLangChunkKernels(PageChunkMover):
 
     @staticmethod
     def check(parts: Sequence[ChunkShape], heads: int) -> dict[int, int]:
-        """The slice SGLang's kernels move for each run size; raises if none.
-        Runs only: a heads-major page's strided head chunks have no index
-        that addresses them on both sides."""
+        """The slice SGLang's kernels move for each run size; raises if none."""
         if heads != 1 or any(part.row_bytes != part.bytes for part in parts):
             raise TransferUnavailable(
                 "SGLang's JIT HiCache kernels address no heads-major page"
@@ -446,18 +382,13 @@ class SGLangChunkKernels(PageChunkMover):
         return elements
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> list[tuple]:
-        """Per run size: device and host tables, slice bytes, device stride."""
         tables, launches = self._tables, []
         for size, parts in self._groups.items():
             element = self._elements[size]
+            runs = list(itertools.product(parts, layers, range(0, size, element)))
             device, host = (
                 torch.tensor(
-                    [
-                        tables.bases[layer][part + side] + offset
-                        for part in parts
-                        for layer in layers
-                        for offset in range(0, size, element)
-                    ],
+                    [tables.bases[n][p + side] + off for p, n, off in runs],
                     dtype=torch.uint64,
                     device=tables.device,
                 )
@@ -466,12 +397,13 @@ class SGLangChunkKernels(PageChunkMover):
             launches.append((device, host, element, size))
         return launches
 
-    def _page_numbers(self, host_indices, device_indices) -> list[torch.Tensor]:
-        """Each page's number, host then device side, on the GPU in one dtype."""
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
         page_size, device = self._tables.page_size, self._tables.device
+        what = "block-scaled HiCache " + ("backup" if to_host else "load")
+        check_transfer_pages(host_indices, device_indices, page_size, what)
         on_cpu = device_indices.device.type == "cpu"
         dtype = torch.int64 if on_cpu else device_indices.dtype
-        pages = []
+        pages = []  # each page's number, host then device side, on the GPU
         for indices in (host_indices, device_indices):
             numbers = indices[::page_size] // page_size
             if numbers.device.type != device.type:  # "cuda" is "cuda:0" here
@@ -479,12 +411,7 @@ class SGLangChunkKernels(PageChunkMover):
                     numbers = numbers.pin_memory()
                 numbers = numbers.to(device, non_blocking=True)
             pages.append(numbers.to(dtype).contiguous())
-        return pages
-
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
-        what = "block-scaled HiCache " + ("backup" if to_host else "load")
-        check_transfer_pages(host_indices, device_indices, self._tables.page_size, what)
-        host_pages, device_pages = self._page_numbers(host_indices, device_indices)
+        host_pages, device_pages = pages
         for device_table, host_table, element, device_stride in prepared:
             device = (device_table, device_pages, device_stride)
             host = (host_table, host_pages, self._tables.host_stride)
@@ -505,25 +432,15 @@ class SGLangChunkKernels(PageChunkMover):
 MoverFactory = Callable[[PageChunkTables], PageChunkMover]
 
 
-def page_vector_bytes(page: HostPage) -> int:
-    """The widest vector our kernel can use for ``page``: it divides every
-    chunk's rows and strides, the host span and every chunk's offset in it
-    (allocations are aligned wider)."""
-    offsets = [
-        off for layer in range(page.layer_num) for off in page.run_offsets(layer)
-    ]
-    fields = [field for part in page.chunk_shapes() for field in part.fields()]
-    return vector_bytes([*fields, page.span_bytes, *offsets])
-
-
 def choose_mover(
     page: HostPage, *, staging_bytes: int, pool_label: str
 ) -> MoverFactory:
-    """Ours if it builds (through ``staging_bytes`` of device staging, if
-    any), else SGLang's JIT kernel (one warning), else the pool's refusal;
-    decided before the pool allocates: what it returns binds its addresses."""
+    """Ours if it builds, else SGLang's JIT kernel, else the pool's refusal."""
+    layers = range(page.layer_num)
+    offsets = [off for layer in layers for off in page.run_offsets(layer)]
+    fields = [field for part in page.chunk_shapes() for field in part.fields()]
     try:
-        page_chunks_module(page_vector_bytes(page))
+        page_chunks_module(vector_bytes([*fields, page.span_bytes, *offsets]))
     except Exception as exc:
         ours_error = exc
     else:
