@@ -12,10 +12,6 @@ HAS_CUDA = torch.cuda.is_available()
 SESSION_MOONCAKE_SEGMENT = "2GB"
 
 
-SOAK_FIGURES: list[str] = []
-"""The soak runs' figures (``soak/test_soak.py``), printed at the end of the session."""
-
-
 def pytest_addoption(parser):
     parser.addoption(
         "--soak-seconds",
@@ -32,9 +28,19 @@ def pytest_addoption(parser):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if SOAK_FIGURES:
+    """The soak runs' figures (``soak/test_soak.py`` puts them in its reports'
+    ``user_properties``, which xdist's workers send back too)."""
+    lines = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == "soak figures"
+    ]
+    if lines:
         terminalreporter.section("soak figures")
-        for line in SOAK_FIGURES:
+        for line in lines:
             terminalreporter.write_line(line)
 
 
@@ -56,12 +62,6 @@ def fresh_settings():
     settings.current.cache_clear()
     yield
     settings.current.cache_clear()
-
-
-@pytest.fixture(scope="session")
-def soak_figures() -> list[str]:
-    """Where each soak run adds its figures (:data:`SOAK_FIGURES`)."""
-    return SOAK_FIGURES
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The served releases other than the one this environment installs, on their
-real sources (``conftest.on_release``): SGLang 0.5.21 and 0.5.22, which build
+real sources (``conftest.release_parts``: a process per release and
+plugin state): SGLang 0.5.21 and 0.5.22, which build
 host pools from the device pool (``releases``). Through the release's own
 plugin loading, assembler, ``HybridCacheController`` and transfer engine, with
 the kernels emulated on the CPU (``testkit/e2e_cpu.py``), every setup restores
@@ -14,7 +15,6 @@ import json
 import msgspec
 import pytest
 
-from testkit import script
 from testkit.e2e import Verdict
 from testkit.e2e_cpu import assert_exact
 
@@ -41,30 +41,55 @@ OURS = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
 SGLANG = "sglang.srt.mem_cache.pool_host"
 
 
-def _verdicts(done) -> list[Verdict]:
-    assert done.returncode == 0, done.stderr[-3000:]
+E2E_CPU = """
+import sys
+from testkit.e2e_cpu import main
+sys.argv = ["e2e_cpu", "ours", {setups!r}{l3}]
+main()
+"""
+L3_SETUPS = ("kv", "fp4_mx_block16")
+
+
+def _plugin_on(release: str) -> dict[str, str]:
+    """Every check of ``release`` with the package on, as parts of one process
+    (``conftest.release_parts``): they share its one SGLang import."""
+    parts = {
+        "setups": E2E_CPU.format(setups=SETUPS, l3=""),
+        "l3_file": E2E_CPU.format(setups=",".join(L3_SETUPS), l3=', "file"'),
+        "dispatch": DISPATCH,
+    }
+    if release == "0.5.21":
+        parts["file_keys"] = FILE_KEYS
+    return parts
+
+
+def _stdout(part: dict) -> str:
+    assert part["error"] is None, part["error"][-3000:]
+    return part["stdout"]
+
+
+def _verdicts(part: dict) -> list[Verdict]:
     return [
         msgspec.json.decode(line, type=Verdict)
-        for line in done.stdout.splitlines()
+        for line in _stdout(part).splitlines()
         if line.startswith("{")
     ]
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_every_setup_restores_exactly(on_release, release):
-    verdicts = _verdicts(on_release(release, [script("e2e_cpu"), "ours", SETUPS]))
+def test_every_setup_restores_exactly(release_parts, release):
+    verdicts = _verdicts(release_parts(release, _plugin_on(release))["setups"])
     assert [v.setup for v in verdicts] == SETUPS.split(",")
     for verdict in verdicts:
         assert verdict.host_class == OURS, verdict
         assert_exact(verdict)
 
 
-@pytest.mark.parametrize("setup", ["kv", "fp4_mx_block16"])
+@pytest.mark.parametrize("setup", L3_SETUPS)
 @pytest.mark.parametrize("release", RELEASES)
-def test_l3_file_restores_exactly(on_release, release, setup):
-    [verdict] = _verdicts(
-        on_release(release, [script("e2e_cpu"), "ours", setup, "file"])
-    )
+def test_l3_file_restores_exactly(release_parts, release, setup):
+    verdicts = _verdicts(release_parts(release, _plugin_on(release))["l3_file"])
+    [verdict] = [v for v in verdicts if v.setup == setup]
     assert_exact(verdict)
     assert verdict.l3.payload_restored and verdict.l3.scales_restored, verdict
     assert verdict.l3.format_tag.startswith(setup.replace("kv", "mxfp8"))
@@ -72,14 +97,18 @@ def test_l3_file_restores_exactly(on_release, release, setup):
 
 @pytest.mark.parametrize("disabled", [False, True])
 @pytest.mark.parametrize("release", RELEASES)
-def test_dispatch_with_and_without_the_package(on_release, release, disabled):
+def test_dispatch_with_and_without_the_package(release_parts, release, disabled):
     """With the package, ours for every block-scaled pool; without it
-    (``SGLANG_MXFP8_HICACHE_DISABLE``), SGLang's own MXFP8 class, and its
-    plain class for FP4, which has no scales to move."""
-    env = {"SGLANG_MXFP8_HICACHE_DISABLE": "1"} if disabled else {}
-    done = on_release(release, ["-c", DISPATCH], **env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    chosen = json.loads(done.stdout.strip().splitlines()[-1])
+    (``SGLANG_MXFP8_HICACHE_DISABLE``, a process of its own: the plugin reads
+    it once), SGLang's own MXFP8 class, and its plain class for FP4, which
+    has no scales to move."""
+    if disabled:
+        part = release_parts(
+            release, {"dispatch": DISPATCH}, SGLANG_MXFP8_HICACHE_DISABLE="1"
+        )["dispatch"]
+    else:
+        part = release_parts(release, _plugin_on(release))["dispatch"]
+    chosen = json.loads(_stdout(part).strip().splitlines()[-1])
     assert chosen["bf16"] == f"{SGLANG}.mha.MHATokenToKVPoolHost"
     if not disabled:
         assert {chosen[k] for k in ("mxfp8", "fp4_mx_block16", "nvfp4")} == {OURS}
@@ -113,11 +142,10 @@ print(host.storage_format_tag, backend.config_suffix)
 """
 
 
-def test_file_keys_carry_the_format_on_0_5_21(on_release):
+def test_file_keys_carry_the_format_on_0_5_21(release_parts):
     """0.5.21 puts no format in L3 keys: the storage config the pool's backend
     is built with names its tag, so a page of another format or geometry
     under the same model is never read as this pool's."""
-    done = on_release("0.5.21", ["-c", FILE_KEYS])
-    assert done.returncode == 0, done.stderr[-3000:]
-    tag, suffix = done.stdout.strip().splitlines()[-1].split()
+    part = release_parts("0.5.21", _plugin_on("0.5.21"))["file_keys"]
+    tag, suffix = _stdout(part).strip().splitlines()[-1].split()
     assert suffix.startswith(f"_org-model-{tag}_")

@@ -47,6 +47,7 @@ print(json.dumps(found))
     ],
 )
 def test_unserved_release_refuses_at_startup(on_release, version, says):
+    _in_the_newest_environment()
     done = on_release(version, ["-c", RESOLVE])
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
@@ -57,6 +58,19 @@ def test_unserved_release_refuses_at_startup(on_release, version, says):
         assert says in refusal and "Install sglang==0.5.23" in refusal
     assert found["bf16_hicache"] is None
     assert found["mxfp8_alone"] is None
+
+
+def _in_the_newest_environment() -> None:
+    """The unserved releases' sources run on the newest served release's
+    dependencies: the refusal is the plugin's, the same whichever served
+    release's environment runs it, and .ci/run gives the older served
+    releases their own environments for what differs between them."""
+    from sglang_mxfp8_hicache.releases import NEWEST, sglang_version
+
+    if sglang_version() != NEWEST:
+        pytest.skip(
+            f"the unserved releases' refusal runs in sglang {NEWEST}'s environment"
+        )
 
 
 def test_installing_the_package_leaves_sglang_where_it_is():

@@ -16,7 +16,8 @@ import torch
 
 from testkit import script
 from testkit.soak.driver import Soak
-from testkit.soak.faults import FAULTS, NODE_CLIENT_TTL_S
+from testkit.soak.faults import FAULT_COUNTS, FAULTS, NODE_CLIENT_TTL_S
+from testkit.soak.figures import SoakFigures
 from testkit.soak.stacks import STACKS
 
 
@@ -33,6 +34,22 @@ def _parser() -> argparse.ArgumentParser:
     package = sys.modules[__package__]
     parser = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--at-least",
+        type=_floor,
+        action="append",
+        default=[],
+        metavar="FIGURE=N",
+        help="go on past --seconds until FIGURE (a count of the figures, or "
+        "faults.KIND) is N on some rank, for at most --floor-grace seconds "
+        "more: a busy machine's run still does what it is for (repeatable)",
+    )
+    parser.add_argument(
+        "--floor-grace",
+        type=float,
+        default=240.0,
+        help="seconds past --seconds that --at-least may take (default 240)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--write-policy",
@@ -102,6 +119,25 @@ def _parser() -> argparse.ArgumentParser:
         help="the control: SGLang's host pool moving the payload alone",
     )
     return parser
+
+
+def _floor(text: str) -> tuple[str, int]:
+    """``FIGURE=N`` of ``--at-least``: a count of :class:`SoakFigures` or
+    ``faults.KIND``, and a whole number."""
+    name, _, count = text.partition("=")
+    counts = {
+        field
+        for field, kind in SoakFigures.__annotations__.items()
+        if kind in ("int", int) and field not in ("seed", "tp_rank", "tp_size")
+    }
+    known = name in counts or (
+        name.startswith("faults.") and name.split(".", 1)[1] in FAULT_COUNTS
+    )
+    if not known or not count.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: FIGURE=N, FIGURE one of {sorted(counts)} or faults.KIND"
+        )
+    return name, int(count)
 
 
 def _refusal(args: argparse.Namespace) -> str | None:

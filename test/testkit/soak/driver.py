@@ -184,10 +184,13 @@ class Soak:
             self._flush_tiers()
 
     def run(self) -> SoakFigures:
-        """Steps until ``--seconds`` have passed, then the drain and the idle
-        check; a refused kernel (``kernel_refused``) ends it as a clean error."""
+        """Steps until ``--seconds`` have passed and every ``--at-least``
+        floor is met (for at most ``--floor-grace`` seconds more), then the
+        drain and the idle check; a refused kernel (``kernel_refused``) ends
+        it as a clean error."""
         deadline = time.monotonic() + self.args.seconds
-        while not self._agreed(time.monotonic() >= deadline):
+        give_up = deadline + self.args.floor_grace
+        while self._going_on(deadline, give_up):
             try:
                 self._step()
             except Exception as error:  # a refused kernel ends the scheduler
@@ -202,6 +205,35 @@ class Soak:
         self._idle_check()
         self.figures.wall_s = round(time.monotonic() - self.started, 1)
         return self.figures
+
+    def _going_on(self, deadline: float, give_up: float) -> bool:
+        """Whether every rank takes another step: until the first rank's
+        ``--seconds`` have passed, then while a floor is met on no rank (a
+        rank's own faults count on it alone), until ``give_up``."""
+        now = time.monotonic()
+        if self._agreed(now >= deadline):
+            floors = self.args.at_least
+            met = [self._figure(name) >= count for name, count in floors]
+            return not all(self._met_on_a_rank(met)) and not self._agreed(
+                now >= give_up
+            )
+        return True
+
+    def _figure(self, name: str) -> int:
+        """A count of the figures, or ``faults.KIND``."""
+        if name.startswith("faults."):
+            return self.figures.faults.get(name.split(".", 1)[1], 0)
+        return getattr(self.figures, name)
+
+    def _met_on_a_rank(self, met: list[bool]) -> list[bool]:
+        """Each floor met on this rank or another."""
+        if self.args.tp == 1 or not met:
+            return met
+        import torch.distributed as dist
+
+        votes = torch.tensor([int(m) for m in met])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in votes.tolist()]
 
     def _idle_check(self) -> None:
         """The scheduler's idle check: every device token free, evictable or

@@ -38,6 +38,19 @@ heartbeat, and ``NODE_DOWN_STEPS`` have passed; ``rank_read_error``, one L3
 read in ``RANK_READ_FAIL_EVERY`` of the last rank raising after writing its
 host pages while the other ranks' reads succeed (the ranks must still take
 the same hits)."""
+FAULT_COUNTS = (
+    "file_truncated",
+    "file_lengthened",
+    "file_deleted",
+    "backend_error",
+    "host_exhausted",
+    "eviction_race",
+    "kernel_refused",
+    "node_killed",
+    "node_restarted",
+    "rank_read_error",
+)
+"""What ``figures.faults`` counts, by name (``--at-least faults.KIND=N``)."""
 FAULT_EVERY, HOST_HOLD_STEPS, REFUSE_AFTER_STEPS = 7, 10, 50
 RANK_READ_FAIL_EVERY = 3
 NODE_RESTART_EVERY, NODE_DOWN_STEPS, NODE_CLIENT_TTL_S = 400, 10, 2
