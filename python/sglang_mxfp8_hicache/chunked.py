@@ -63,13 +63,10 @@ class ChunkedCalls:
         read: Callable[[int, int], _Reply],
         check: Callable[[int, int, _Reply], int],
     ) -> tuple[int, list[_Reply]]:
-        """Reads a batch of ``pages`` chunk by chunk (``read(start, end)``),
-        each chunk checked while the next is read (``check(start, end,
-        reply)``: the chunk's leading good pages, logging what it finds bad).
-
-        Returns the batch's leading good pages and the replies of the chunks
-        up to the first with a bad page; the chunk read while it was checked
-        is dropped, and none is read after it."""
+        """Reads a batch chunk by chunk (``read(start, end)``), each checked
+        while the next is read (``check(start, end, reply)``: its leading good
+        pages). Returns the batch's leading good pages and the replies up to
+        the first chunk with a bad page; none is read after it."""
         bounds = chunk_bounds(pages, self.smallest)
         if len(bounds) == 1:
             reply = read(0, pages)

@@ -11,12 +11,8 @@ per block of elements, in scale tensors beside the payload:
 
 Each layout holds the payload of one page and layer in one contiguous run of
 ``payload_page_bytes`` and its scales in one of ``page_bytes``, so one
-mechanism moves all three: whole page runs (``page.py``). Nothing needs to know
-what a scale byte means. A format is a small :class:`ScaleFormat`; nothing
-else in the package knows one from another.
-
-This module imports no CUDA code, so the CLI's ``size`` command and the CPU tests
-can use it anywhere.
+mechanism moves all three (``page.py``). A format is a small
+:class:`ScaleFormat`; nothing else knows one from another. No CUDA imports.
 """
 
 from __future__ import annotations

@@ -166,10 +166,8 @@ class MooncakeGuard(Guard):
 
 
 class SealedGuard(Guard):
-    """A backend that cannot say what it stored: every page is sealed on its
-    way to L3 and checked on its way back (``sealed.py``). With a key
-    ``prefix`` (the pool's format tag), every key the controller gives it
-    takes the prefix, and so do the ``prefix_keys`` of its extra info."""
+    """Every page sealed on its way to L3 and checked on its way back
+    (``sealed.py``); with a ``prefix``, every key the backend is given takes it."""
 
     def __init__(self, *args: Any, prefix: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -237,10 +235,8 @@ def nixl_page_paths(backend: Any, keys: Sequence[str]) -> list[str]:
 
 
 class NixlGuard(SealedGuard):
-    """NIXL fails a whole batch on one missing or short file, reads a longer
-    one's first bytes, and rewrites files in place, keeping a longer old
-    one's tail: sealed, and a failed read is read again up to its first
-    file of the wrong size."""
+    """Sealed; a failed read (NIXL fails a batch on one missing or short file)
+    is read again up to its first file of the wrong size."""
 
     def _read_v1(self, keys, host_indices, extra_info) -> list[bool]:
         backend = self._backend

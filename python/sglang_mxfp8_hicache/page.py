@@ -77,13 +77,10 @@ class PagePart:
     layer_num: int
     seal_bytes: int = 0
 
-    @property
-    def layer_bytes(self) -> int:
-        return self.payload_bytes + self.scale_bytes
-
-    @property
-    def span_bytes(self) -> int:
-        return self.layer_num * self.layer_bytes + self.seal_bytes
+    layer_bytes = property(lambda self: self.payload_bytes + self.scale_bytes)
+    span_bytes = property(
+        lambda self: self.layer_num * self.layer_bytes + self.seal_bytes
+    )
 
     def payload_offset(self, layer: int) -> int:
         return layer * self.layer_bytes
@@ -106,27 +103,16 @@ class ChunkShape:
     host_head_stride: int
 
     def fields(self) -> tuple[int, ...]:
-        """In the kernel's order."""
-        return (
-            self.bytes,
-            self.row_bytes,
-            self.device_page_stride,
-            self.device_head_stride,
-            self.device_row_stride,
-            self.host_head_stride,
-        )
+        """In the kernel's order: the order above."""
+        return dataclasses.astuple(self)
 
 
 @dataclass(frozen=True)
 class StagedLayout:
-    """A range of a page's layers in device staging, for the copy engines.
-
-    Staged page j is ``stride`` bytes at ``j * stride``; run c of the range's
-    n-th layer starts at ``run_offsets[n][c]`` in it (``PARTS`` order). Each
-    piece ``(host offset, staged offset, bytes)`` is contiguous in both the
-    host page and the staged page, so a page moves between them as
-    ``len(pieces)`` copies.
-    """
+    """A range of a page's layers in device staging: staged page j is
+    ``stride`` bytes at ``j * stride``, run c of the range's n-th layer at
+    ``run_offsets[n][c]`` in it; a page moves between host and staging as its
+    ``pieces`` ``(host offset, staged offset, bytes)``, one copy each."""
 
     stride: int
     run_offsets: tuple[tuple[int, int, int, int], ...]
@@ -235,31 +221,17 @@ class HostPage:
                     ChunkShape(scales, scales, scales, 0, scales, 0),
                 ]
                 continue
-            head = self._head_part(side)
-            row = side.payload_head_bytes
-            shapes.append(
-                ChunkShape(
-                    head.payload_bytes,
-                    row,
-                    payload,
-                    row,
-                    side.payload_bytes_per_token,
-                    head.span_bytes,
-                )
-            )
+            head, row = self._head_part(side), side.payload_head_bytes
+            span, row_bytes = head.span_bytes, side.payload_bytes_per_token
             # MXFP8's atom keeps a head's scales of a page contiguous; FP4's
             # per-token rows hold them as a strided column.
-            scale_row = head.scale_bytes if side.fmt.interleaved else side.sf_dim
-            shapes.append(
+            sf_row = head.scale_bytes if side.fmt.interleaved else side.sf_dim
+            shapes += [
+                ChunkShape(head.payload_bytes, row, payload, row, row_bytes, span),
                 ChunkShape(
-                    head.scale_bytes,
-                    scale_row,
-                    scales,
-                    head.scale_bytes if side.fmt.interleaved else side.sf_dim,
-                    side.bytes_per_token,
-                    head.span_bytes,
-                )
-            )
+                    head.scale_bytes, sf_row, scales, sf_row, side.bytes_per_token, span
+                ),
+            ]
         return tuple(shapes)
 
     def run_offsets(self, layer: int) -> tuple[int, int, int, int]:

@@ -2,26 +2,13 @@
 
 SGLang calls ``load_plugins()`` at the start of every process it spawns;
 that loads the ``sglang.srt.plugins`` entry point ``mxfp8_hicache`` ->
-:func:`register`, which installs these hooks (all AROUND but one: the
-registry rebinds every module-level alias of a target, so a hook calls the
-original it is handed, never an alias):
-
-- ``get_mha_host_pool_cls``: ``MHATokenToKVPoolMXFP8Host`` for a block-scaled
-  device pool, SGLang's own answer for everything else (``select_host_pool_cls``);
-- the assembler's ``_mha_host_inputs``: a device pool whose nvfp4 scales live
-  outside what a host pool is given is refused (``refuse_native_fp4_scales``);
-- the storage backend factory: the L3 guards (``storage``);
-- ``prepare_hicache_staging`` / ``prepare_mha_write_back_staging``: no GPU
-  staging for SGLang's payload write-back kernel, which our pools never use;
-  ours is reserved there instead, before the KV budget is measured;
-- ``ServerArgs.resolve_once`` (AFTER): flags a pool would refuse, and a bad
-  value of a variable of ``settings``, stop a launch before a model loads;
-- the controllers' index moves: with ``--hicache-io-backend kernel`` our
-  pools get their host indices where the radix tree keeps them, on the CPU.
+:func:`register`, which installs :func:`served_hooks` (each says what it does).
+Hooks are AROUND but one: the registry rebinds every module-level alias of a
+target, so a hook calls the original it is handed, never an alias.
 
 On a release this package does not serve (``releases.SUPPORTED_SGLANG_VERSIONS``)
-only the last-but-one is installed, refusing a block-scaled KV cache with
-HiCache (``refuse_on_unserved_release``); every other setup is left to SGLang.
+one hook refuses a block-scaled KV cache with HiCache at launch
+(``refuse_on_unserved_release``); every other setup is left to SGLang.
 ``SGLANG_MXFP8_HICACHE_DISABLE=1`` registers nothing.
 """
 
@@ -188,16 +175,10 @@ def keep_host_indices_on_cpu(
 
 
 def keep_pool_host_indices_on_cpu(
-    original: Callable[..., Any],
-    controller,
-    host_pool,
-    host_indices,
-    device_indices,
-    **kwargs,
+    original, controller, host_pool, host_indices, device_indices, **kwargs
 ):
-    """AROUND hook on ``HybridCacheController._move_pool_indices``, which
-    places each pool's indices of a hybrid stack: as
-    ``keep_host_indices_on_cpu``, for a pool of ours."""
+    """AROUND hook on ``HybridCacheController._move_pool_indices`` (each pool
+    of a hybrid stack): as ``keep_host_indices_on_cpu``."""
     if keeps_cpu_host_indices(controller.io_backend, host_pool, host_indices):
         return host_indices, device_indices
     return original(controller, host_pool, host_indices, device_indices, **kwargs)

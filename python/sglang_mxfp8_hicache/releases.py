@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
 """The releases this package serves (``pyproject.toml`` only bounds SGLang
@@ -115,18 +115,6 @@ def storage_config_with_tag(storage_config: Any, tag: str) -> Any:
     return dataclasses.replace(storage_config, model_name=f"{name}-{tag}")
 
 
-def storage_model_name(model_name: str, host_pool: Any) -> str:
-    """The model name the release's controller gives L3 backends for
-    ``host_pool`` (its ``storage_model_name``, which adds the pool's format);
-    0.5.21's gives the name as it is, and the storage guard adds the pool's
-    tag (``storage_config_with_tag``)."""
-    if device_pool_base():
-        return model_name
-    from sglang.srt.managers.cache_controller import storage_model_name as named
-
-    return named(model_name, host_pool)
-
-
 class PoolBuffers(msgspec.Struct, frozen=True, kw_only=True):
     """A device pool's per-layer K and V buffers (0.5.23's ``KVBuffers``)."""
 
@@ -191,12 +179,6 @@ def buffer_info(pool_or_info: Any) -> Any:
     )
 
 
-def torch_device(device: Any) -> torch.device:
-    import torch
-
-    return device if isinstance(device, torch.device) else torch.device(device)
-
-
 def device_buffer_info(device_pool: Any) -> Any:
     """``device_pool``'s buffer info on any served release: SGLang's own
     ``MHABufferInfo`` (0.5.23), else one made from the pool (``buffer_info``)."""
@@ -240,16 +222,17 @@ def built_from_device_pool(cls: type) -> type:
         device_pool,
         *geometry: Any,
         mtp_draft_device_pools: Sequence[Any] = (),
-        pool_label: str = "kv",
+        **keywords: Any,
     ) -> None:
-        """``geometry``: the ratio, host size, page size, layout, pin_memory,
-        device and allocator type, as the release passes them."""
+        """``geometry`` and ``keywords``: the ratio, host size, page size,
+        layout, pin_memory, device, allocator type and pool label, as the
+        release passes them."""
         # Read by the release's base pool (its layer ownership helpers).
         self.device_pool = device_pool
         self.mtp_draft_device_pools = tuple(mtp_draft_device_pools)
         inputs = host_pool_inputs(device_pool, mtp_draft_device_pools)
         buffer_info = inputs.pop("buffer_info")
-        cls.__init__(self, buffer_info, *geometry, pool_label=pool_label, **inputs)
+        cls.__init__(self, buffer_info, *geometry, **keywords, **inputs)
 
     return type(
         cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__}
@@ -263,6 +246,7 @@ def init_host_base(host: Any, payload_info: Any, **geometry: Any) -> None:
     would read a device pool and make the payload's transfer views, which an
     owned page has no use for: the geometry it sets is set here, and its
     allocating base is called with this release's keywords."""
+    import torch
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     if not builds_from_device_pool():
@@ -277,7 +261,7 @@ def init_host_base(host: Any, payload_info: Any, **geometry: Any) -> None:
         raise ValueError("this SGLang sizes host pools by ratio or size only")
     infos = (payload_info, *drafts)
     host.target_layer_num = len(payload_info.buffers.k)
-    host._transfer_device = torch_device(payload_info.device)
+    host._transfer_device = torch.device(payload_info.device)
     host.dtype = payload_info.dtype
     host.head_dim = payload_info.head_dim
     host.v_head_dim = payload_info.v_head_dim

@@ -63,11 +63,7 @@ class Sealer:
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self._executor = (
-            ThreadPoolExecutor(threads, thread_name_prefix="seal")
-            if threads > 1
-            else None
-        )
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="seal")
 
     def write_all(self, parts: Sequence[np.ndarray], seeds: Sequence[int]) -> None:
         """Seals every part with its seed (``write``)."""
@@ -84,7 +80,7 @@ class Sealer:
         seeds: Sequence[int],
     ) -> list[_T]:
         count = min(self.threads, len(parts))
-        if self._executor is None or count <= 1:
+        if count <= 1:
             return [work(part, seed) for part, seed in zip(parts, seeds, strict=True)]
         cuts = [len(parts) * n // count for n in range(count + 1)]
 

@@ -74,8 +74,7 @@ def leading_good_pages(wrong: Sequence[WrongPage], pages: int) -> int:
 
 
 def leading_replies(replies: Sequence[Any], pages: int, missed: Callable) -> int:
-    """The pages of a chunk of ``pages`` that ``replies`` gives before its
-    first miss (or its end, if shorter)."""
+    """The pages of a chunk that ``replies`` gives before its first miss."""
     replied = min(pages, len(replies))
     return next((n for n, r in enumerate(replies[:replied]) if missed(r)), replied)
 
@@ -93,17 +92,15 @@ def read_or_log(read: Callable[..., Any], *args: Any) -> Any:
 
 
 def with_prefix_keys(extra_info: Any, prefix_keys: list[str]) -> Any:
-    """A copy of SGLang's ``HiCacheStorageExtraInfo`` with other
-    ``prefix_keys``; the caller's is left as it was."""
+    """A copy of SGLang's ``HiCacheStorageExtraInfo`` with other ``prefix_keys``."""
     info = copy.copy(extra_info)
     info.prefix_keys = prefix_keys
     return info
 
 
 def chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:
-    """``extra_info`` for the chunk of a batch that starts at page ``start``:
-    its ``prefix_keys`` extended by the batch's keys before the chunk, as
-    SGLang's hybrid controller does for the calls it splits."""
+    """``extra_info`` for the chunk from page ``start``: ``prefix_keys`` with
+    the keys before it, as SGLang's hybrid controller splits its calls."""
     prefix = getattr(extra_info, "prefix_keys", None)
     if start == 0 or prefix is None:
         return extra_info
@@ -111,10 +108,8 @@ def chunk_extra_info(extra_info: Any, keys: Sequence[str], start: int) -> Any:
 
 
 class FlatPages:
-    """A ``batch_get`` / ``batch_set`` batch: one flat page per key (views of
-    host pages on a put, the controller's read targets on a get). ``keys``
-    are the controller's, which the seals are made under; the backend is
-    given them with ``prefix``."""
+    """A ``batch_get`` / ``batch_set`` batch: a flat page per key. Seals are
+    made under ``keys``, the controller's; the backend gets them ``prefix``ed."""
 
     def __init__(
         self,
@@ -164,9 +159,8 @@ class FlatPages:
 
 
 class HostPages:
-    """A ``batch_get_v1`` / ``batch_set_v1`` batch: the host indices of the
-    pool's pages, which the backend reads into and writes from in place.
-    ``keys`` as :class:`FlatPages`'; ``extra_info`` as the backend is given it."""
+    """A ``batch_*_v1`` batch: host indices of the pool's pages, which the
+    backend reads and writes in place; ``keys`` as :class:`FlatPages`'."""
 
     def __init__(
         self,

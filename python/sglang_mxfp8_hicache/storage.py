@@ -50,11 +50,9 @@ class Backend:
     sealed: bool = False
     """Reads are checked by the pages' seals (``seal.py``)."""
     key_prefixed: bool = False
-    """Keys get the pool's format tag as a prefix: the backend does not put
-    SGLang's model name, which carries the tag, in every key."""
+    """Keys get the pool's format tag (the backend keys no model name)."""
     zero_copy: bool = False
-    """SGLang's controller drives it through ``batch_*_v1`` (host pages in
-    place); ``dynamic`` does so with ``interface_v1`` in its extra config."""
+    """Driven through ``batch_*_v1``; ``dynamic`` too with ``interface_v1``."""
     inner_calls: dict[str, str] | None = None
     """Calls between the backend's own methods the guard sits in, with why."""
 
@@ -230,11 +228,3 @@ def guard_storage_backend(
     if injector is None:
         return guarded
     return type(injector)(guarded, injector._random_delay_limit, injector._failure_prob)
-
-
-def sglang_backend(storage_backend: Any) -> Any:
-    """The backend SGLang built, under our guard and SGLang's test injector."""
-    wrappers = (guards.Guard, releases.failure_injector_type() or guards.Guard)
-    while isinstance(storage_backend, wrappers):
-        storage_backend = storage_backend._backend
-    return storage_backend

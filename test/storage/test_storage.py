@@ -40,6 +40,7 @@ from sglang_mxfp8_hicache.tools.l3 import (
     StoragePageIO,
     local_backend,
     page_hashes,
+    sglang_backend,
 )
 from sglang_mxfp8_hicache.tools.pools import (
     PAGE_SIZE,
@@ -408,7 +409,7 @@ def test_guard_sets_only_its_inner_calls_on_the_backend(device, make_pools, open
     stored = Stored(open_io(host), pages=2, seed=3)
     assert stored.fetch() == 2
     guard = stored.io.storage_backend
-    backend = storage.sglang_backend(guard)
+    backend = sglang_backend(guard)
     name = stored.io.backend_name
     served = storage.BACKENDS[name]
     if served.guard is None:
@@ -1045,7 +1046,7 @@ def test_nixl_moves_whole_parts_with_and_without_o_direct(
         extra_config = local.extra_config | {"use_direct_io": direct_io}
         io = StoragePageIO.open("nixl", host, extra_config=extra_config)
         try:
-            nixl = storage.sglang_backend(io.storage_backend)
+            nixl = sglang_backend(io.storage_backend)
             assert nixl.needs_page_alignment == direct_io
             stored = Stored(io, pages=3, seed=9)
             assert stored.fetch() == 3

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from sglang_mxfp8_hicache import guards, storage
+from sglang_mxfp8_hicache import guards
 from sglang_mxfp8_hicache.tools.l3 import (
     FILE_DIR_ENV,
     LOCAL_BACKENDS,
@@ -37,6 +37,7 @@ from sglang_mxfp8_hicache.tools.l3 import (
     StoragePageIO,
     local_backend,
     page_hashes,
+    sglang_backend,
 )
 from sglang_mxfp8_hicache.tools.pools import (
     PAGE_SIZE,
@@ -121,7 +122,7 @@ def _remove(
     be shared); Mooncake's removes are forced, a get leaving a 10 s lease, and
     ``strict`` raises if it keeps one. A ``dynamic`` class keeps what it was
     given: SGLang's interface has no remove (give it a store of its own)."""
-    backend = storage.sglang_backend(io.storage_backend)
+    backend = sglang_backend(io.storage_backend)
     if io.backend_name == "dynamic":
         return
     if io.backend_name == "hf3fs":  # frees the slots of the pages' parts
@@ -337,8 +338,8 @@ def _open_all(
             ) from exc
         stack.callback(ios[name].close)
     if backend == "mooncake":  # one client for both (docs/benchmarks.md, L3)
-        payload = storage.sglang_backend(ios["payload"].storage_backend)
-        payload.store = storage.sglang_backend(ios["mxfp8"].storage_backend).store
+        payload = sglang_backend(ios["payload"].storage_backend)
+        payload.store = sglang_backend(ios["mxfp8"].storage_backend).store
         payload.register_buffer(ios["payload"].storage_host_pool.kv_buffer)
     return ios, store
 

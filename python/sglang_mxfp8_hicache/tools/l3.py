@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sglang_mxfp8_hicache import releases
+from sglang_mxfp8_hicache import guards, releases
 from sglang_mxfp8_hicache.storage import BACKENDS
 
 LOCAL_BACKENDS = ("file", "hf3fs", "nixl")
@@ -139,7 +139,7 @@ class StoragePageIO:
             is_mla_model=False,
             enable_storage_metrics=False,
             is_page_first_layout=host_pool.layout.startswith("page_first"),
-            model_name=releases.storage_model_name(model_name, host_pool),
+            model_name=storage_model_name(model_name, host_pool),
             tp_lcm_size=tp_lcm_size,
             should_split_heads=host_pool.layout == "page_head"
             and (tp_lcm_size or tp_size) > tp_size,
@@ -187,3 +187,22 @@ class StoragePageIO:
     def close(self) -> None:
         if (close := getattr(self.storage_backend, "close", None)) is not None:
             close()
+
+
+def storage_model_name(model_name: str, host_pool: Any) -> str:
+    """The model name the release's controller gives L3 backends for
+    ``host_pool`` (its ``storage_model_name`` adds the pool's format; 0.5.21's
+    has none, and the storage guard adds the pool's tag)."""
+    if releases.device_pool_base():
+        return model_name
+    from sglang.srt.managers.cache_controller import storage_model_name as named
+
+    return named(model_name, host_pool)
+
+
+def sglang_backend(storage_backend: Any) -> Any:
+    """The backend SGLang built, under our guard and SGLang's test injector."""
+    wrappers = (guards.Guard, releases.failure_injector_type() or guards.Guard)
+    while isinstance(storage_backend, wrappers):
+        storage_backend = storage_backend._backend
+    return storage_backend
