@@ -107,8 +107,10 @@ def test_readme_keeps_the_two_commands_of_the_contract():
     text = README.read_text()
     commands = [line.strip() for line in _blocks(text)]
     assert f"{PROG} check" in commands
-    assert "python -m pytest test/" in commands
-    assert "about 45 minutes on 2" in text
+    tests = "python -m pytest test/ -n 2 --dist worksteal"
+    assert tests in commands
+    assert tests in (ROOT / ".ci" / "run").read_text()  # CI runs what it says
+    assert "about 25 minutes on 2" in text
     assert "`python -m pytest -m gpu test/`" in text
     pyproject = (ROOT / "pyproject.toml").read_text()
     scripts = pyproject.split("[project.scripts]\n", 1)[1].split("\n\n", 1)[0]
@@ -237,9 +239,9 @@ def test_paths_and_modules_named_exist(page):
             assert found or (base / path).exists(), f"{path} ({_page_id(page)})"
         for name in PYTHON_FILE.findall(piece):
             known = _known_python_files()
-            assert any(
-                k == name or k.endswith("/" + name) for k in known
-            ), f"{name} ({_page_id(page)})"
+            assert any(k == name or k.endswith("/" + name) for k in known), (
+                f"{name} ({_page_id(page)})"
+            )
 
 
 def _top_level_names(body: list[ast.stmt]) -> dict[str, ast.stmt]:
@@ -280,7 +282,9 @@ def test_code_names_exist(page):
         assert defined is not None, f"{span} ({_page_id(page)})"
         if attribute:
             assert isinstance(defined, ast.ClassDef), f"{span} ({_page_id(page)})"
-            assert attribute in _top_level_names(defined.body), f"{span} ({_page_id(page)})"
+            assert attribute in _top_level_names(defined.body), (
+                f"{span} ({_page_id(page)})"
+            )
 
 
 def _commands(text: str) -> list[list[str]]:
@@ -302,7 +306,9 @@ def _commands(text: str) -> list[list[str]]:
 
 
 def _flags(words: list[str]) -> list[str]:
-    return [w.split("=", 1)[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=.*)?", w)]
+    return [
+        w.split("=", 1)[0] for w in words if re.fullmatch(r"--[a-z][\w-]*(=.*)?", w)
+    ]
 
 
 @cache
@@ -327,6 +333,9 @@ def _launcher_source(name: str) -> str:
     return "\n".join(f.read_text() for f in files)
 
 
+XDIST_FLAGS = {"--dist"}
+
+
 @per_page
 def test_commands_take_their_flags(page):
     """``sglang-mxfp8-hicache COMMAND --flag``, ``python test/NAME.py --flag``
@@ -342,6 +351,9 @@ def test_commands_take_their_flags(page):
             assert not unknown, f"{' '.join(words)}: {unknown} ({_page_id(page)})"
         elif program in ("python", "python3") and rest[:2] == ["-m", "pytest"]:
             for flag in _flags(rest):
+                if flag in XDIST_FLAGS:  # pytest-xdist's, from the test extra
+                    assert "pytest-xdist" in (ROOT / "pyproject.toml").read_text()
+                    continue
                 assert f'"{flag}"' in conftest, f"{flag} ({_page_id(page)})"
         elif program in ("python", "python3") and rest and rest[0].startswith("test/"):
             script = ROOT / rest[0]
@@ -366,7 +378,10 @@ def test_cli_page_flags_are_its_commands():
             if words[0] == command:
                 named |= set(_flags(words[1:]))
         assert named, command
-        assert not named - _cli_flags()[command], (command, named - _cli_flags()[command])
+        assert not named - _cli_flags()[command], (
+            command,
+            named - _cli_flags()[command],
+        )
 
 
 def test_cli_page_numbers_are_the_tools():
@@ -427,7 +442,7 @@ def test_configuration_lists_every_variable(monkeypatch):
         assert (many[name] != one[name]) == ("fewer" in default), name
         field = name.removeprefix(settings.PREFIX).lower()
 
-        def read(text: str) -> object:
+        def read(text: str, name: str = name, field: str = field) -> object:
             return getattr(settings.Settings.from_environ({name: text}), field)
 
         bounds = re.fullmatch(r"(\d+)-(\d+)( \(.*\))?", accepts)
@@ -485,15 +500,22 @@ def test_staging_and_fp4_figures_are_the_code():
     staging = settings.Settings.from_environ({}).staging_mb
     assert f"**{staging} MiB of GPU memory** per GPU by default" in said
     assert f"two slots of {staging // 4} MiB" in said
-    page = plan_page(HiCacheFlags("fp4_mx_block16", 128, "page_first"), PageShape(8, 128, 128, 32))
+    page = plan_page(
+        HiCacheFlags("fp4_mx_block16", 128, "page_first"), PageShape(8, 128, 128, 32)
+    )
     before_seals = page.bytes_per_token - page.seal_bytes // page.page_size
-    assert f"32 layers of 8x128 take {before_seals:,} B per token before the seal areas" in said
+    assert (
+        f"32 layers of 8x128 take {before_seals:,} B per token before the seal areas"
+        in said
+    )
 
 
 # docs/storage.md
 
 
-def _refused(backend: str, layout: str = "page_first", v_head_dim: int = 128, fmt="mxfp8"):
+def _refused(
+    backend: str, layout: str = "page_first", v_head_dim: int = 128, fmt="mxfp8"
+):
     from sglang_mxfp8_hicache.refusals import HiCacheFlags, PageShape, refusal
 
     flags = HiCacheFlags(fmt, 128, layout, storage_backend=backend)
@@ -530,7 +552,9 @@ def test_storage_backends_are_served_and_refused_as_documented():
         assert said.startswith("served"), backend
         for fmt in ("mxfp8", "fp4_mx_block16"):
             assert _refused(backend, fmt=fmt) is None, (backend, fmt)
-        assert (_refused(backend, "page_head") is None) == ("but `page_head`" not in said)
+        assert (_refused(backend, "page_head") is None) == (
+            "but `page_head`" not in said
+        )
         assert (_refused(backend, v_head_dim=64) is None) == ("dims alike" not in said)
 
     from sglang_mxfp8_hicache.storage import BACKENDS
@@ -543,14 +567,18 @@ def test_storage_backends_are_served_and_refused_as_documented():
                 assert row[1] == "refused" and row[2:5] == ["", "", ""], backend
                 continue
             said = row[2].startswith("yes"), row[3] == "yes", row[4] == "yes"
-            assert said == (policy.zero_copy, policy.sealed, policy.key_prefixed), backend
+            assert said == (policy.zero_copy, policy.sealed, policy.key_prefixed), (
+                backend
+            )
             if not policy.zero_copy:
                 assert row[2] in ("no", "with `interface_v1`"), backend
 
     readme = _backend_rows(README.read_text(), "## L3 storage")
     assert readme.keys() == documented.keys()
     for backend, said in readme.items():
-        assert said.split()[0].strip(",") == documented[backend].split()[0].strip(","), backend
+        assert said.split()[0].strip(",") == documented[backend].split()[0].strip(
+            ","
+        ), backend
         assert ("but `page_head`" in said) == ("but `page_head`" in documented[backend])
 
     offered = {*StorageBackendFactory._registry, "dynamic"}
@@ -569,7 +597,9 @@ def test_storage_log_line_is_the_page():
         for line in _blocks((DOCS / "storage.md").read_text())
         if "pages go to L3 backend" in line
     ]
-    page = plan_page(HiCacheFlags("mxfp8", 128, "page_first"), PageShape(8, 128, 128, 8))
+    page = plan_page(
+        HiCacheFlags("mxfp8", 128, "page_first"), PageShape(8, 128, 128, 8)
+    )
     assert f" as {page.describe()}, key tag '{page.storage_format_tag()}';" in line
     sources = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
     assert "pages go to L3 backend" in sources
