@@ -47,7 +47,8 @@ def test_inner_calls_are_the_backends_and_the_guards():
 
 def test_policy_is_consistent():
     """A sealed or key-prefixed backend has a guard that seals; a refused one
-    is not served; every served backend is one SGLang's factory knows."""
+    is not served; on the newest release, every served backend is one SGLang's
+    factory knows (an older release may lack one: its factory refuses it)."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     from sglang_mxfp8_hicache.guards import SealedGuard
@@ -55,5 +56,6 @@ def test_policy_is_consistent():
     for name, served in storage.BACKENDS.items():
         if served.sealed or served.key_prefixed:
             assert served.guard is not None and issubclass(served.guard, SealedGuard)
-        assert name in StorageBackendFactory._registry or name == "dynamic", name
+        if releases.sglang_version() == releases.NEWEST and name != "dynamic":
+            assert name in StorageBackendFactory._registry, name
     assert not set(storage.BACKENDS) & set(storage.REFUSED_STORAGE_BACKENDS)
