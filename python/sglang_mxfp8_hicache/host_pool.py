@@ -22,7 +22,7 @@ import torch
 from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import loads, refusals, releases, settings, transfer
+from sglang_mxfp8_hicache import hooks, loads, refusals, releases, settings, transfer
 from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.geometry import ScaleFormat
 from sglang_mxfp8_hicache.page import HostPage
@@ -94,6 +94,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             self._scaled_infos, page_size, layout, allocator_type, pool_label
         )
         self.settings = settings.current()
+        hooks_account = hooks.hooks_in_force()
         self.transfer_choice = self.transfer_choice.for_page(
             self.host_page, self.settings.staging_bytes, pool_label
         )
@@ -117,7 +118,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             "%s: %s HiCache host pool: --hicache-mem-layout %s and "
             "--hicache-io-backend %s are served by one owned %s page, %s; "
             "%d tokens, payload %.3f GB + scales %.3f GB (+ seal areas %.3f GB), "
-            "moved as page chunks by %s; loads in up to %d layer groups%s.",
+            "moved as page chunks by %s; loads in up to %d layer groups%s; %s.",
             self.pool_label,
             page.fmt.name,
             self.layout,
@@ -131,6 +132,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             self._mover.name,
             self._loads.most_groups,
             self._mover.describe(self._backup_prepared),
+            hooks_account,
         )
 
     def _init_base(self, **geometry: Any) -> None:

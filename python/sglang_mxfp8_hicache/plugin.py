@@ -2,7 +2,7 @@
 
 SGLang calls ``load_plugins()`` at the start of every process it spawns;
 that loads the ``sglang.srt.plugins`` entry point ``mxfp8_hicache`` ->
-:func:`register`, which installs :func:`served_hooks` (each says what it does).
+:func:`register`, which installs ``hooks.served_hooks()`` (each says what it does).
 Hooks are AROUND but one: the registry rebinds every module-level alias of a
 target, so a hook calls the original it is handed, never an alias.
 
@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sglang_mxfp8_hicache import releases, settings
+from sglang_mxfp8_hicache import hooks, releases, settings
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError, refusal_error
 from sglang_mxfp8_hicache.geometry import buffer_scale_format, is_packed_fp4
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SERVER_ARGS_HOOK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 _registered = False
 _refusing = False  # the refusal of an unserved release is registered
 _logged_choices: set[tuple[str, str, str]] = set()
@@ -267,7 +266,7 @@ def _refuse_on_this_release(found: str | None) -> None:
     resolves_once = found is None or releases.release(found) >= releases.release(
         releases.FIRST_RESOLVE_ONCE
     )
-    target = SERVER_ARGS_HOOK_TARGET
+    target = hooks.SERVER_ARGS_HOOK_TARGET
     if not resolves_once:
         target = target.replace("resolve_once", "__post_init__")
     HookRegistry.register(target, refuse_on_unserved_release, HookType.AFTER)
@@ -319,39 +318,6 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook, hook_type in served_hooks():
-        HookRegistry.register(target, hook, HookType[hook_type])
+    for hook in hooks.served_hooks():
+        HookRegistry.register(hook.target, hook.function(), HookType[hook.hook_type])
     _registered = True
-
-
-def served_hooks() -> list[tuple[str, Callable[..., Any], str]]:
-    """(target, hook, ``HookType`` name) of every hook on a served release."""
-    from sglang_mxfp8_hicache import storage
-
-    mem, host, hybrid = "sglang.srt.mem_cache.", "pool_host.mha.", "hybrid_cache."
-    hooks = [
-        (mem + host + "get_mha_host_pool_cls", select_host_pool_cls),
-        (
-            mem + hybrid + "hybrid_pool_assembler._mha_host_inputs",
-            refuse_native_fp4_scales,
-        ),
-        (storage.FACTORY_HOOK_TARGET, storage.guard_storage_backend),
-        (mem + host + "prepare_mha_write_back_staging", skip_payload_staging),
-        (mem + "kv_cache_builder.prepare_hicache_staging", mark_staging_preparation),
-        (SERVER_ARGS_HOOK_TARGET, refuse_unserved_flags),
-        (
-            "sglang.srt.managers.cache_controller.HiCacheController.move_indices",
-            keep_host_indices_on_cpu,
-        ),
-        (
-            mem
-            + hybrid
-            + "hybrid_cache_controller.HybridCacheController._move_pool_indices",
-            keep_pool_host_indices_on_cpu,
-        ),
-    ]
-    if releases.builds_from_device_pool():  # no _mha_host_inputs: the selector refuses
-        del hooks[1]
-    return [
-        (t, h, "AFTER" if h is refuse_unserved_flags else "AROUND") for t, h in hooks
-    ]

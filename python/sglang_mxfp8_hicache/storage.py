@@ -137,9 +137,12 @@ SGLANG_PRIVATE_NAMES: dict[str, str] = {
     "HiCacheStorageFailureInjector._backend": "the backend SGLang's test injector wraps",
     "HiCacheStorageFailureInjector._random_delay_limit": "its delay, for its rebuild",
     "HiCacheStorageFailureInjector._failure_prob": "its failure rate, for its rebuild",
+    "HookRegistry._hooks": "the hooks registered per target (which are ours)",
+    "HookRegistry._patched": "the targets the registry applied (hooks in force)",
 }
-"""Every private name of SGLang the guards and tools read, with why: a release
-that renames one fails ``test_storage``'s check of this table, naming it."""
+"""Every private name of SGLang the guards, the hook account and the tools
+read, with why: a release that renames one fails ``test_storage_policy``'s
+check of this table, naming it."""
 
 
 def storage_refusal(

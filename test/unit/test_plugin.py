@@ -15,8 +15,8 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from sglang_mxfp8_hicache import plugin, releases
-from testkit import script
+from sglang_mxfp8_hicache import hooks, plugin, releases
+from testkit import ROOT, script
 
 DISABLE_ENV = "SGLANG_MXFP8_HICACHE_DISABLE"
 
@@ -90,7 +90,7 @@ def test_register_is_idempotent(recorded_hooks):
     plugin.register()
     plugin.register()
     targets = [call[0] for call in recorded_hooks]
-    assert targets == [target for target, _, _ in plugin.served_hooks()]
+    assert targets == [hook.target for hook in hooks.served_hooks()]
     # Where the release has _mha_host_inputs (0.5.23); else the selector refuses.
     inputs = any(t.endswith("._mha_host_inputs") for t in targets)
     assert inputs != releases.builds_from_device_pool()
@@ -103,8 +103,8 @@ def test_every_hook_target_resolves():
     that did not resolve would only be logged by SGLang's registry."""
     import importlib
 
-    for target, hook, hook_type in plugin.served_hooks():
-        parts = target.split(".")
+    for hook in hooks.served_hooks():
+        parts = hook.target.split(".")
         for cut in range(len(parts) - 1, 0, -1):
             try:
                 found = importlib.import_module(".".join(parts[:cut]))
@@ -113,8 +113,8 @@ def test_every_hook_target_resolves():
                 continue
         for name in parts[cut:]:
             found = getattr(found, name)
-        assert callable(found) and callable(hook), target
-        assert hook_type in ("AROUND", "AFTER")
+        assert callable(found) and callable(hook.function()), hook.target
+        assert hook.hook_type in ("AROUND", "AFTER") and hook.if_missing
 
 
 @pytest.mark.parametrize(
@@ -471,3 +471,70 @@ def test_flag_refusals_leave_mla_models_alone(monkeypatch, mla):
     else:
         with pytest.raises(ValueError, match="set --page-size 128"):
             plugin.refuse_unserved_flags("result", object())
+
+
+_BUILD_WITHOUT = """
+import importlib, json, logging, sys
+import pytest
+target, tests = sys.argv[1:]
+sys.path.insert(0, tests)
+from testkit.kernel_emulation import install_emulation
+install_emulation(pytest.MonkeyPatch())  # the CPU's kernels, as in the tests
+module, attr = target.rsplit(".", 1)
+owner = module.rsplit(".", 1)
+try:
+    holder = importlib.import_module(module)
+except ImportError:  # a method: its class in its module
+    holder = getattr(importlib.import_module(owner[0]), owner[1])
+delattr(holder, attr)  # the registry cannot resolve it: logged, not applied
+logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang_mxfp8_hicache import hooks
+from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host as Ours
+from sglang_mxfp8_hicache.tools.pools import build_device_pool, build_host_pool
+print(json.dumps([[s.target, s.in_force] for s in hooks.hook_states()]))
+device_pool = build_device_pool(head_num=2, head_dim=128, layer_num=1, pages=2,
+                                device="cpu")
+try:
+    build_host_pool(device_pool, Ours, host_to_device_ratio=2.0, pin_memory=False)
+    print(json.dumps(None))
+except Exception as exc:
+    print(json.dumps(f"{type(exc).__name__}: {exc}"))
+"""
+
+
+@pytest.mark.parametrize(
+    "missing, refused",
+    [
+        ("sglang.srt.mem_cache.kv_cache_builder.prepare_hicache_staging", False),
+        (
+            "sglang.srt.mem_cache.storage.backend_factory.StorageBackendFactory."
+            "create_backend",
+            True,
+        ),
+    ],
+)
+def test_a_missing_hook_is_named_and_one_that_makes_pages_wrong_refuses(
+    missing, refused
+):
+    """A target SGLang's registry cannot resolve (an SGLang installed without
+    a module) leaves that hook out; the pool's log line names it and its cost,
+    or, where pages could restore wrong without it, the pool is refused."""
+    assert missing in {hook.target for hook in hooks.served_hooks()}
+    done = subprocess.run(
+        [sys.executable, "-c", _BUILD_WITHOUT, missing, str(ROOT / "test")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    states, result = [json.loads(line) for line in done.stdout.splitlines()[-2:]]
+    assert [t for t, in_force in states if not in_force] == [missing]
+    if refused:
+        assert result.startswith("BlockScaledHiCacheConfigError"), result
+        assert missing in result and "restore wrong" in result
+    else:
+        assert result is None, result
+        cost = "prepare_hicache_staging: staging taken after SGLang sized the KV pool"
+        assert f"plugin hooks missing: {cost}" in done.stderr

@@ -13,8 +13,9 @@ def _sglang_classes() -> dict[str, type]:
         MooncakeStore,
     )
     from sglang.srt.mem_cache.storage.nixl.hicache_nixl import HiCacheNixl
+    from sglang.srt.plugins.hook_registry import HookRegistry
 
-    classes = [HiCacheFile, HiCacheNixl, MooncakeStore]
+    classes = [HiCacheFile, HiCacheNixl, MooncakeStore, HookRegistry]
     injector = releases.failure_injector_type()  # 0.5.23 on
     return {c.__name__: c for c in (*classes, *([injector] if injector else []))}
 
