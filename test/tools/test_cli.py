@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,6 +141,28 @@ def test_size_names_whose_host_memory_it_compares(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["host_budget_of"] == "the server's, by --host-memory-gb"
     assert plan["host_budget_per_rank"] == (10**12 - (10 << 30)) // 8
+    from sglang.srt.mem_cache.pool_host.base import HICACHE_HOST_MEMORY_RESERVE_BYTES
+
+    assert HICACHE_HOST_MEMORY_RESERVE_BYTES == 10 << 30
+
+
+def test_size_of_flags_imports_neither_sglang_nor_torch():
+    """``size`` from flags answers in well under a second: SGLang's import,
+    which brings torch, takes seconds, and flags need neither."""
+    code = (
+        "import sys; from sglang_mxfp8_hicache.tools.cli import main; "
+        "code = main(sys.argv[1:]); "
+        "print(sorted({'sglang', 'torch'} & set(sys.modules)), file=sys.stderr); "
+        "sys.exit(code)"
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code, *size()], capture_output=True, text=True
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 0 and done.stderr == "[]\n", done.stderr
+    assert json.loads(done.stdout)["host_budget_of"].startswith("this machine's")
+    assert took < 10, took  # about 0.6 s; SGLang's import alone takes 10 or more
 
 
 def config_text(text: str | None) -> Callable[[Path], str]:
@@ -237,6 +260,21 @@ BAD_INPUTS = [
         "num_key_value_heads must be a positive integer, got -8",
     ),
     bad("layers_in_config_huge", size(config=config(num_hidden_layers=99999)), "99999"),
+    bad(
+        "layers_in_config_negative",
+        size(config=config(num_hidden_layers=-4)),
+        "num_hidden_layers must be a positive integer, got -4",
+    ),
+    bad(
+        "layers_in_config_0",
+        size(config=config(num_hidden_layers=0)),
+        "num_hidden_layers must be a positive integer, got 0",
+    ),
+    bad(
+        "layers_missing_from_config",
+        size(config=config(num_hidden_layers=None)),
+        "num_hidden_layers is missing",
+    ),
     bad(
         "mla_config",
         size(config=config_text(json.dumps(DEEPSEEK_V3))),

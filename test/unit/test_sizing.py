@@ -11,9 +11,13 @@ from pathlib import Path
 import pytest
 import transformers
 
+from sglang_mxfp8_hicache.tools import sizing
 from sglang_mxfp8_hicache.tools.cli import main
 from sglang_mxfp8_hicache.tools.sizing import SizingError, read_model
-from testkit import script
+from testkit import ROOT, script
+
+GPT_OSS_120B = ROOT / "test" / "data" / "gpt-oss-120b.config.json"
+"""``openai/gpt-oss-120b``'s config.json as published, weight quantization included."""
 
 SIZING_SETUPS = (
     "kv",
@@ -75,10 +79,11 @@ def _config_dir(tmp_path: Path, config_class: str, arch: str, **fields) -> Path:
     return path
 
 
-def test_hybrid_swa_model_has_full_and_swa_pools(tmp_path):
-    """gpt-oss: half its layers slide; the SWA pool has 0.8 of the tokens."""
-    path = _config_dir(tmp_path, "GptOssConfig", "GptOssForCausalLM")
-    model = read_model(path, tp_size=4)
+def test_hybrid_swa_model_has_full_and_swa_pools():
+    """gpt-oss-120b's published config: half its layers slide; the SWA pool has
+    0.8 of the tokens. Its weights' ``mxfp4``, which SGLang knows only beside
+    an accelerator, leaves the KV cache as it is."""
+    model = read_model(GPT_OSS_120B, tp_size=4)
     assert [(p.name, p.layers, p.kv_heads) for p in model.pools] == [
         ("full", 18, 2),
         ("swa", 18, 2),
@@ -99,6 +104,19 @@ def test_mamba_hybrid_has_only_full_attention_layers(tmp_path):
     [pool] = model.pools
     assert (pool.name, pool.layers, pool.kv_heads) == ("kv", 12, 1)
     assert model.mamba_state_bytes > 0
+
+
+def test_sglang_complaint_is_cut_between_words(tmp_path, capsys, monkeypatch):
+    def complain(*_):
+        raise ValueError("abcdefghij " * 50)
+
+    monkeypatch.setattr(sizing, "_read_model_config", complain)
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+    code, _, err = run_size(["--config", str(path), "--device-tokens", "1"], capsys)
+    said = err.split("(ValueError: ", 1)[1]
+    assert code == 2 and said.endswith(" ...)\n"), err
+    assert set(said.removesuffix(" ...)\n").split()) == {"abcdefghij"}, err
 
 
 def test_config_file_of_any_name_reads_as_its_directory(tmp_path):

@@ -27,6 +27,7 @@ from sglang_mxfp8_hicache.tools import results
 from sglang_mxfp8_hicache.tools.results import Step
 from sglang_mxfp8_hicache.tools.sizing import (
     HICACHE_RATIO,
+    HOST_MEMORY_RESERVE_BYTES,
     MAX_NODE_HOST_BYTES,
     PAGE_SIZE,
     SCALED_HEAD_DIMS,
@@ -323,23 +324,36 @@ def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
         print(f"warning: {warning}")
 
 
-def _host_budget_per_rank(ranks: int, host_memory_gb: float | None):
+def _host_budget_per_rank(
+    ranks: int, host_memory_gb: float | None
+) -> tuple[int | None, str]:
     """SGLang's ``host_memory_budget_bytes`` for ``ranks`` ranks on a node, and
     whose memory it is: the server's as ``--host-memory-gb`` gives it, else
-    this machine's available memory (cgroup limits included); less SGLang's
-    reserve, split."""
-    try:
-        reserve = _import_quietly("sglang.srt.mem_cache.pool_host.base")
-        if host_memory_gb is not None:
-            free, whose = int(host_memory_gb * 1e9), "the server's, by --host-memory-gb"
-        else:
-            host_memory = _import_quietly("sglang.srt.mem_cache.host_memory")
+    this machine's available memory as SGLang reads it (cgroup limits
+    included); less SGLang's reserve, split. Imports neither SGLang nor torch."""
+    if host_memory_gb is not None:
+        free, whose = int(host_memory_gb * 1e9), "the server's, by --host-memory-gb"
+    else:
+        try:
+            host_memory = _sglang_module_alone("sglang.srt.mem_cache.host_memory")
             free = host_memory.available_host_memory_bytes(allow_cgroup_fallback=True)
-            whose = "this machine's; --host-memory-gb gives the server's"
-        budget = max(free - reserve.HICACHE_HOST_MEMORY_RESERVE_BYTES, 0) // ranks
-        return budget, whose
-    except Exception:  # sizing still answers where SGLang cannot tell
-        return None, ""
+        except Exception:  # sizing still answers where SGLang cannot tell
+            return None, ""
+        whose = "this machine's; --host-memory-gb gives the server's"
+    return max(free - HOST_MEMORY_RESERVE_BYTES, 0) // ranks, whose
+
+
+def _sglang_module_alone(module: str) -> Any:
+    """SGLang's ``module``, one that imports nothing of SGLang's, run from its
+    file without ``sglang/__init__.py`` (which imports torch: seconds)."""
+    import importlib.util
+
+    package = Path(importlib.util.find_spec("sglang").origin).parent
+    path = package.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    spec = importlib.util.spec_from_file_location(module, path)
+    found = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(found)
+    return found
 
 
 def _flags_that_do_not_apply(args: argparse.Namespace, model: ModelKV) -> list[str]:

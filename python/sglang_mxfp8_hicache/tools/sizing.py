@@ -18,11 +18,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import shutil
 import tempfile
+import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -46,6 +47,14 @@ HICACHE_RATIO = 2.0
 """SGLang's ``--hicache-ratio`` when it is not given."""
 MODEL_BOUNDS = {"layers": 4096, "kv_heads": 4096, "head_dim": 8192}
 """The most a pool's count can be: ten times what released models have."""
+LAYERS_FIELD = "num_hidden_layers"
+TEXT_SUB_CONFIGS = ("thinker_config", "llm_config", "language_config", "text_config")
+"""Where a multimodal config keeps its language model's, as SGLang looks for it."""
+ERROR_TEXT_CHARS = 300
+"""The most of SGLang's own complaint an error line quotes, cut between words."""
+HOST_MEMORY_RESERVE_BYTES = 10 << 30
+"""SGLang's ``HICACHE_HOST_MEMORY_RESERVE_BYTES``: host memory its HiCache
+budget leaves to the rest of the server."""
 MAX_NODE_HOST_BYTES = 64 << 40
 """More host tier than any one server holds: a typo in the device tokens or
 the ratio."""
@@ -117,9 +126,12 @@ def read_model(
     swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO,
 ) -> ModelKV:
     """The KV pools SGLang builds for the model at ``path`` (a model directory
-    or a JSON config file of any name), read through SGLang's ``ModelConfig``,
-    which reads a directory's ``config.json``: a file of another name is read
-    from a temporary directory that holds it under that name."""
+    or a JSON config file of any name), read through SGLang's ``ModelConfig``.
+
+    It reads a copy of the config without its ``quantization_config``: how the
+    weights are quantized leaves the KV cache as it is, and SGLang knows some
+    weight formats (gpt-oss's ``mxfp4``) only beside an accelerator. The layer
+    count must be given (transformers would fill in its own default)."""
     path = Path(path)
     config_file = path if path.is_file() else path / "config.json"
     try:
@@ -133,26 +145,53 @@ def read_model(
             f"{config_file}: expected a JSON object, got a {type(config).__name__}"
         )
     try:
-        if config_file.name == "config.json":
-            return _read_model_config(
-                config_file.parent, tp_size, swa_full_tokens_ratio
-            )
         with tempfile.TemporaryDirectory() as model_dir:
-            shutil.copyfile(config_file, Path(model_dir) / "config.json")
-            return _read_model_config(Path(model_dir), tp_size, swa_full_tokens_ratio)
+            kv_config = _without_weight_quantization(config)
+            (Path(model_dir) / "config.json").write_text(json.dumps(kv_config))
+            return _read_model_config(
+                Path(model_dir), config, tp_size, swa_full_tokens_ratio
+            )
     except SizingError as exc:
         raise SizingError(f"{config_file}: {exc}") from None
     except Exception as exc:  # SGLang's and transformers' own complaints
-        said = " ".join(str(exc).split())
+        said = textwrap.shorten(str(exc), ERROR_TEXT_CHARS, placeholder=" ...")
         raise SizingError(
             f"{config_file}: SGLang's ModelConfig cannot read it "
-            f"({type(exc).__name__}: {said[:300]})"
+            f"({type(exc).__name__}: {said})"
         ) from None
 
 
+def _without_weight_quantization(config: dict) -> dict:
+    """``config`` without the ``quantization_config`` of it and of its sub-configs."""
+    return {
+        key: _without_weight_quantization(value) if isinstance(value, dict) else value
+        for key, value in config.items()
+        if key != "quantization_config"
+    }
+
+
+def _check_layer_count(text_config: Any, config: dict) -> None:
+    """Refuses a layer count that ``config`` (the JSON as written) does not
+    give, at its top or in a text sub-config, or that is not positive."""
+    field = type(text_config).attribute_map.get(LAYERS_FIELD, LAYERS_FIELD)
+
+    def gives(config: dict) -> bool:
+        subs = (config.get(key) for key in TEXT_SUB_CONFIGS)
+        return field in config or any(isinstance(s, dict) and gives(s) for s in subs)
+
+    if not gives(config):
+        raise SizingError(
+            f"{field} is missing: give the model's layer count (transformers "
+            "would size it with its own default)"
+        )
+    _positive_int(getattr(text_config, field), field)
+
+
 def _read_model_config(
-    model_dir: Path, tp_size: int, swa_full_tokens_ratio: float
+    model_dir: Path, config: dict, tp_size: int, swa_full_tokens_ratio: float
 ) -> ModelKV:
+    """The pools of ``model_dir``'s ``ModelConfig``, read as a scheduler of
+    ``tp_size`` ranks reads it; ``config`` is the JSON as its owner wrote it."""
     with warnings.catch_warnings():
         # SGLang's quantization registry warns, on import, about GPUs it lacks.
         warnings.simplefilter("ignore", UserWarning)
@@ -163,6 +202,7 @@ def _read_model_config(
         from sglang.srt.configs.model_config import ModelConfig
 
         model = ModelConfig(model_path=str(model_dir))
+        _check_layer_count(model.hf_text_config, config)
         if model.attention_arch == AttentionArch.MLA:
             raise SizingError(
                 "an MLA model (latent KV, as DeepSeek-V3): SGLang gives it an MLA "
