@@ -54,6 +54,7 @@ from sglang_mxfp8_hicache.tools.pools import (
     host_page_rows,
 )
 from testkit import script
+from testkit.command import interrupt_on_sigterm
 from testkit.mooncake_loopback import HOST, free_ports
 from testkit.pools import device_buffers, synchronize
 
@@ -1179,7 +1180,7 @@ def run_setups(mode: str, setups, l3: str | None = None, device: str = "cuda"):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=MODES, default="ours")
     parser.add_argument(
         "--setup",
@@ -1194,13 +1195,16 @@ def main() -> None:
     args = parser.parse_args()
     setups = args.setup.split(",")
     if unknown := set(setups) - set(SETUPS):
-        parser.error(f"unknown setup {sorted(unknown)}; choose from {SETUPS}")
+        parser.error(
+            f"argument --setup: unknown {sorted(unknown)}; of {', '.join(SETUPS)}"
+        )
     if args.l3 and (args.mode != "ours" or setups != ["kv"]):
         parser.error("--l3 needs --mode ours and --setup kv")
+    interrupt_on_sigterm()
     if not torch.cuda.is_available():
-        print(
-            msgspec.json.encode(Verdict(mode=args.mode, skipped="no CUDA GPU")).decode()
-        )
+        for setup in setups:
+            skipped = Verdict(mode=args.mode, setup=setup, skipped="no CUDA GPU")
+            print(msgspec.json.encode(skipped).decode())
         return
     for verdict in run_setups(args.mode, setups, args.l3):
         print(msgspec.json.encode(verdict).decode(), flush=True)

@@ -5,21 +5,25 @@ host memory is plain memory.
     python test/e2e_cpu.py MODE SETUP[,SETUP...] [L3_BACKEND]
 
 One process per mode, since the plugin hook is process-wide; prints one JSON
-verdict per setup, as ``python test/e2e.py`` does on a GPU.
+verdict per setup, as ``python test/e2e.py`` does on a GPU. An unknown mode,
+setup or backend is refused (exit 2) before anything runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import msgspec
-import pytest
 
 from testkit import script
-from testkit.e2e import Verdict
-from testkit.kernel_emulation import install_stack_emulation
+from testkit.command import interrupt_on_sigterm
+
+if TYPE_CHECKING:
+    from testkit.e2e import Verdict
 
 
 def run_cpu(
@@ -30,7 +34,7 @@ def run_cpu(
     with ``l3_config`` as its extra config where it needs one."""
     import subprocess
 
-    from testkit.e2e import L3_CONFIG_ENV
+    from testkit.e2e import L3_CONFIG_ENV, Verdict
 
     env = dict(os.environ)
     if l3_config is not None:
@@ -88,12 +92,30 @@ def plain_class_takes_fp4(setup: str) -> bool:
     return "fp4" in setup and releases.builds_from_device_pool()
 
 
-def main() -> None:
-    from testkit.e2e import run_setups
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", metavar="MODE", help="ours, sglang or plain")
+    parser.add_argument(
+        "setups", metavar="SETUPS", help="comma separated, of test/e2e.py --setup"
+    )
+    parser.add_argument("l3", nargs="?", metavar="L3_BACKEND", help="then through L3")
+    args = parser.parse_args(argv)
+    interrupt_on_sigterm()
+    import pytest
 
-    mode, setups = sys.argv[1], sys.argv[2].split(",")
-    l3 = sys.argv[3] if len(sys.argv) > 3 else None
+    from testkit.e2e import L3_BACKENDS, MODES, SETUPS, run_setups
+    from testkit.kernel_emulation import install_stack_emulation
+
+    setups = args.setups.split(",")
+    if args.mode not in MODES:
+        parser.error(f"argument MODE: {args.mode!r} is not one of {', '.join(MODES)}")
+    if unknown := [setup for setup in setups if setup not in SETUPS]:
+        parser.error(f"argument SETUPS: unknown {unknown}; of {', '.join(SETUPS)}")
+    if args.l3 is not None and args.l3 not in L3_BACKENDS:
+        parser.error(
+            f"argument L3_BACKEND: {args.l3!r} is not one of {', '.join(L3_BACKENDS)}"
+        )
     with pytest.MonkeyPatch.context() as monkeypatch:
         install_stack_emulation(monkeypatch)
-        for verdict in run_setups(mode, setups, l3, device="cpu"):
+        for verdict in run_setups(args.mode, setups, args.l3, device="cpu"):
             print(msgspec.json.encode(verdict).decode(), flush=True)
