@@ -1,4 +1,4 @@
-"""``python test/soak.py``: runs ``testkit/soak.py`` (its docstring says what and how)."""
+"""``python test/soak.py``: runs ``testkit/soak/`` (its docstring says what and how)."""
 
 from testkit.soak import main
 

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 
@@ -15,10 +16,19 @@ import pytest
 import torch
 
 from testkit import script
+from testkit.command import (
+    dir_in_existing_parent,
+    interrupt_on_sigterm,
+    positive_float,
+    positive_int,
+)
 from testkit.soak.driver import Soak
 from testkit.soak.faults import FAULT_COUNTS, FAULTS, NODE_CLIENT_TTL_S
 from testkit.soak.figures import SoakFigures
 from testkit.soak.stacks import STACKS
+
+RANK_STOP_S = 30.0
+"""How long a rank told to stop may take to clean up before it is killed."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _parser() -> argparse.ArgumentParser:
     package = sys.modules[__package__]
     parser = argparse.ArgumentParser(description=package.__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=positive_float, default=30.0)
     parser.add_argument(
         "--at-least",
         type=_floor,
@@ -62,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
         help="--hicache-storage-backend-extra-config (mooncake: a running store; "
         "default: a loopback master and storage node for this run)",
     )
-    parser.add_argument("--flush-every", type=int, default=40, help="steps, with --l3")
+    parser.add_argument(
+        "--flush-every", type=positive_int, default=40, help="steps, with --l3"
+    )
     parser.add_argument("--stack", choices=tuple(STACKS), default="kv")
     parser.add_argument(
         "--kv-cache-dtype", choices=("mxfp8", "fp4_mx_block16"), default="mxfp8"
@@ -78,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--init-file", help=argparse.SUPPRESS)
     parser.add_argument("--core", choices=("python", "rust"), default=None)
     parser.add_argument(
-        "--heads", type=int, default=2, help="KV heads per rank (geometry)"
+        "--heads", type=positive_int, default=2, help="KV heads per rank (geometry)"
     )
     parser.add_argument(
         "--layout",
@@ -88,7 +100,10 @@ def _parser() -> argparse.ArgumentParser:
         '"tp_lcm_size": N in --l3-config, shares pages across TP sizes)',
     )
     parser.add_argument(
-        "--l3-dir", help="the L3 file store, kept (default: a fresh one, removed)"
+        "--l3-dir",
+        type=dir_in_existing_parent,
+        help="the L3 file store, kept; made if its parent exists (default: a "
+        "fresh one, removed)",
     )
     parser.add_argument(
         "--no-l3-writes",
@@ -176,6 +191,10 @@ def _refusal(args: argparse.Namespace) -> str | None:
         )
     if args.tp < 1:
         return f"--tp {args.tp}: one rank or more"
+    if not 0 <= args.rank < args.tp:
+        return f"--rank {args.rank}: from 0 to --tp less one"
+    if args.floor_grace < 0:
+        return f"--floor-grace {args.floor_grace}: 0 or more"
     if args.tp > 1 and "node_restart" in faults:
         return (
             "--faults node_restart restarts the node of one process: run it with --tp 1"
@@ -189,6 +208,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    interrupt_on_sigterm()
     if args.tp > 1 and args.init_file is None:
         return launch_ranks(args, argv if argv is not None else sys.argv[1:])
     device = rank_device(args)
@@ -228,8 +248,6 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> None:
     one L3 store (a directory for ``file``; for ``mooncake`` without
     ``--l3-config``, one loopback master and storage node for every rank);
     each prints its rank's figures, in rank order here."""
-    import subprocess
-
     with contextlib.ExitStack() as stack:
         work = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-ranks-"))
         l3_dir = args.l3_dir or os.path.join(work, "l3")
@@ -253,12 +271,25 @@ def launch_ranks(args: argparse.Namespace, argv: list[str]) -> None:
         for rank in ranks:
             try:
                 out, _ = rank.communicate(timeout=args.seconds + 600)
-            except subprocess.TimeoutExpired:
-                for other in ranks:
-                    other.kill()
+            except BaseException:  # a timeout, Ctrl-C or SIGTERM: every rank stops
+                _stop(ranks)
                 raise
             outputs.append(out)
     for out in outputs:
         print(out.strip().splitlines()[-1] if out.strip() else "", flush=True)
     if failed := [n for n, rank in enumerate(ranks) if rank.returncode]:
         sys.exit(f"rank(s) {failed} failed")
+
+
+def _stop(ranks: list[subprocess.Popen]) -> None:
+    """SIGTERM to every rank still running (each cleans up as after Ctrl-C),
+    then SIGKILL to any that has not left within ``RANK_STOP_S``."""
+    for rank in ranks:
+        if rank.poll() is None:
+            rank.terminate()
+    for rank in ranks:
+        try:
+            rank.wait(timeout=RANK_STOP_S)
+        except subprocess.TimeoutExpired:
+            rank.kill()
+            rank.wait()
