@@ -13,16 +13,18 @@ does not: ``seal.Sealer.write_all`` on
 puts, ``seal.Sealer.hold_all`` on gets (the xxh3 passes), and the rest of the
 guard's own work (the whole guarded call less the backend's calls and the
 seal). Writes each run's report as ``bench-l3-BACKEND-tTHREADS-cCHUNK.json``
-under ``--out`` and prints one JSON object of the split, per run and
-batch size (the controller's batches: 256 pages go as two of 128; the seal
-and backend stages of a chunked batch per chunk size), in ms per call, the
-median over every rep. ``--device cpu`` runs without a GPU: the pools on
-the CPU, SGLang's and our kernels emulated (``kernel_emulation``), pages
-not pinned. ``dynamic`` and ``dynamic_v1`` are the tests' own classes
+under ``--out`` (an existing folder; without it, prints the report) and prints
+one JSON object of the split, per run and batch size (the controller's
+batches: 256 pages go as two of 128; the seal and backend stages of a chunked
+batch per chunk size), in ms per call, the median over every rep. ``--device
+cpu`` (the default on a machine without CUDA) runs without a GPU: the pools on
+the CPU, SGLang's and our kernels emulated (``kernel_emulation``), pages not
+pinned. ``dynamic`` and ``dynamic_v1`` are the tests' own classes
 (``dict_l3_backend``, generic and zero-copy); ``mooncake`` and ``seaweedfs``
 need ``--l3-config``, the extra config a loopback service prints.
 ``--no-seal`` makes the seal passes no-ops (every page holds its seal): what
-is left is the backend and the guard's own work.
+is left is the backend and the guard's own work. A bad flag is refused (exit
+2) before anything runs.
 """
 
 from __future__ import annotations
@@ -37,8 +39,17 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_mxfp8_hicache import seal, sealed, settings, storage
-from sglang_mxfp8_hicache.tools import bench_l3
-from testkit import dict_l3_backend
+from testkit.command import (
+    existing_dir,
+    interrupt_on_sigterm,
+    positive_ints,
+    whole_numbers,
+)
+
+BACKENDS = (*storage.BACKENDS, "dynamic_v1")
+"""The served backends, and ``dynamic`` driven through ``batch_*_v1``."""
+NEED_CONFIG = ("mooncake", "seaweedfs")
+"""The backends timed against a running service, named by ``--l3-config``."""
 
 _spent: collections.defaultdict[tuple[str, int], list[float]] = collections.defaultdict(
     list
@@ -80,17 +91,65 @@ def _install() -> None:
         setattr(sealed.SealedBatches, kind, timed)
 
 
-def main() -> None:
+def _backends(text: str) -> list[str]:
+    """Comma-separated names of ``BACKENDS``."""
+    names = text.split(",")
+    if unknown := [name for name in names if name not in BACKENDS]:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; of {', '.join(BACKENDS)}")
+    return names
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: ``--device`` is the machine's (``cuda`` where it has
+    a GPU, else ``cpu``) unless given, and ``cuda`` needs one."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="file,nixl,hf3fs")
-    parser.add_argument("--threads", default="1,4")
-    parser.add_argument("--chunks", default="0,4")
-    parser.add_argument("--pages", default="1,4,16,64,256")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--l3-config", type=json.loads, default=None)
+    parser.add_argument("--backends", type=_backends, default="file,nixl,hf3fs")
+    parser.add_argument("--threads", type=positive_ints, default="1,4")
+    parser.add_argument("--chunks", type=whole_numbers, default="0,4")
+    parser.add_argument("--pages", type=positive_ints, default="1,4,16,64,256")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="default: cuda on a machine with a CUDA GPU, else cpu",
+    )
+    parser.add_argument(
+        "--out", type=existing_dir, help="the folder for the reports (default: printed)"
+    )
+    parser.add_argument("--l3-config", type=_json_object)
     parser.add_argument("--no-seal", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.l3_config is None:
+        if needing := [name for name in args.backends if name in NEED_CONFIG]:
+            parser.error(
+                f"argument --backends: {', '.join(needing)} needs --l3-config, the "
+                "extra config a loopback service prints"
+            )
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda, on a machine without a CUDA GPU")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    interrupt_on_sigterm()
+    from sglang_mxfp8_hicache.tools import bench_l3
+    from testkit import dict_l3_backend
+
     if args.no_seal:
         seal.Sealer.write_all = lambda self, parts, seeds: None
         seal.Sealer.hold_all = lambda self, parts, seeds: [True] * len(parts)
@@ -100,15 +159,13 @@ def main() -> None:
         from testkit.kernel_emulation import install_emulation
 
         install_emulation(MonkeyPatch())
-    pages = [int(p) for p in args.pages.split(",")]
     _install()
     bench_l3.apply_plugin_hooks()
     split: dict[str, Any] = {}
-    threads_list = [int(t) for t in args.threads.split(",")]
-    chunks_list = [int(c) for c in args.chunks.split(",")]
+    threads_list, chunks_list = args.threads, args.chunks
     runs = [
         (backend, threads, smallest)
-        for backend in args.backends.split(",")
+        for backend in args.backends
         for threads in threads_list
         for smallest in chunks_list
         # what is not sealed: one run
@@ -126,14 +183,17 @@ def main() -> None:
             config = dict_l3_backend.extra_config(v1=backend == "dynamic_v1")
         report = bench_l3.run(
             backend.removesuffix("_v1"),
-            pages_list=pages,
+            pages_list=args.pages,
             device=args.device,
             pin_memory=args.device == "cuda",
             l3_config=config,
         )
         name = f"bench-l3-{backend}-t{threads}-c{smallest}"
-        with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
-            f.write(report.to_json())
+        if args.out is None:
+            print(report.to_json().decode(), flush=True)
+        else:
+            with open(os.path.join(args.out, f"{name}.json"), "wb") as f:
+                f.write(report.to_json())
         print(bench_l3.describe(report))
         for cell in report.cells:
             print(

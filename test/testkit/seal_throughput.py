@@ -8,7 +8,8 @@ plain pageable memory, pinned memory (``pin_memory``, as the host pool
 allocates it), and, on a CUDA machine, pinned pages the GPU has just written
 (a backup's pages, which the CPU reads from DRAM). Each figure is the best of
 five passes over every page, spread over N threads (xxh3 runs outside the
-GIL). Prints one JSON object.
+GIL). Prints one JSON object. A count below 1 is refused (exit 2) before
+anything runs.
 """
 
 from __future__ import annotations
@@ -19,15 +20,20 @@ import os
 import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from sglang_mxfp8_hicache import seal
+from testkit.command import interrupt_on_sigterm, positive_int, positive_ints
+
+if TYPE_CHECKING:
+    import torch
 
 PAGE_BYTES = 1 << 20
 
 
 def _parts(pages: torch.Tensor) -> list:
+    import torch
+
     return [page.numpy() for page in pages.view(torch.uint8)]
 
 
@@ -43,6 +49,8 @@ def _best(run, refresh=None, passes: int = 5) -> float:
 
 
 def measure(pages: int, threads: list[int]) -> dict:
+    import torch
+
     kinds = {"pageable": torch.empty(pages, PAGE_BYTES, dtype=torch.uint8)}
     source = None
     if torch.cuda.is_available():
@@ -80,10 +88,13 @@ def measure(pages: int, threads: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pages", type=int, default=64)
-    parser.add_argument("--threads", default="1,2,4,8")
+    parser.add_argument("--pages", type=positive_int, default=64)
+    parser.add_argument(
+        "--threads", type=positive_ints, default="1,2,4,8", help="comma separated"
+    )
     args = parser.parse_args()
-    threads = [int(n) for n in args.threads.split(",")]
+    interrupt_on_sigterm()
+    import torch
     import xxhash
 
     report = {
@@ -92,7 +103,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "xxhash": xxhash.VERSION,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "figures": measure(args.pages, threads),
+        "figures": measure(args.pages, args.threads),
     }
     print(json.dumps(report))
 
