@@ -92,8 +92,12 @@ def probe(assembler_first: bool = False) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--assembler-first", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--assembler-first",
+        action="store_true",
+        help="import SGLang's assembler before its plugins load",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     print(json.dumps(probe(args.assembler_first)))

@@ -28,23 +28,29 @@ the error. The soak refuses ``--write-policy write_back`` with
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import tempfile
 import threading
 
-import pytest
-import torch
-
-from testkit import soak
-
-PAGE = soak.PAGE
+from testkit.command import interrupt_on_sigterm
 
 
 def main() -> None:
-    args = soak.parse_args(
-        ["--write-policy", "write_back", "--l3", "file", *sys.argv[1:]]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--payload-only",
+        action="store_true",
+        help="the same with SGLang's host pool moving the payload alone",
     )
+    flags = ["--payload-only"] if parser.parse_args().payload_only else []
+    interrupt_on_sigterm()
+    import pytest
+    import torch
+
+    from testkit import soak
+
+    args = soak.parse_args(["--write-policy", "write_back", "--l3", "file", *flags])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with (
         pytest.MonkeyPatch.context() as monkeypatch,
@@ -88,6 +94,8 @@ def _serve(run, token_ids: list[int]) -> None:
 def _reproduce(run, cache, controller) -> dict:
     """The five steps of the module docstring; what each said."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from testkit.soak import PAGE
 
     tokens = list(range(1, 6 * PAGE))
     _serve(run, tokens[: 3 * PAGE])  # P

@@ -7,17 +7,16 @@ next is built.
 
 Prints one JSON object per case: its ``case`` as given, and for each host pool
 SGLang built (by its name), its bytes per token and tokens, and the same from
-``sizing.host_plan``.
+``sizing.host_plan``. A malformed case is refused (exit 2) before anything
+runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
-import pytest
-
-from testkit.kernel_emulation import install_stack_emulation
+from testkit.command import interrupt_on_sigterm
 
 
 def planned(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
@@ -94,24 +93,57 @@ def built(setup: str, ratio: float, size_gb: int) -> dict[str, dict]:
         stack.host_group.destroy()
 
 
+def _case(text: str) -> tuple[str, str, float, int]:
+    """``SETUP:HICACHE_RATIO:HICACHE_SIZE_GB``, as given and in its parts: a
+    size above 0 GB sizes the host pools; a size of 0 leaves it to a ratio
+    above 0."""
+    parts = text.split(":")
+    try:
+        setup, ratio, size_gb = parts[0], float(parts[1]), int(parts[2])
+    except (IndexError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: SETUP:HICACHE_RATIO:HICACHE_SIZE_GB"
+        ) from None
+    if len(parts) != 3 or ratio < 0 or size_gb < 0 or not (ratio > 0 or size_gb):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: SETUP:HICACHE_RATIO:HICACHE_SIZE_GB, a size above 0 or "
+            "a size of 0 and a ratio above 0"
+        )
+    return text, setup, ratio, size_gb
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "cases",
+        nargs="+",
+        type=_case,
+        metavar="CASE",
+        help="SETUP:HICACHE_RATIO:HICACHE_SIZE_GB (kv:2.0:0, kv:0:1)",
+    )
+    cases = parser.parse_args().cases
+    interrupt_on_sigterm()
+    import pytest
     import torch.distributed as dist
     from sglang.srt.plugins import load_plugins
 
+    from testkit.e2e import SETUPS
+    from testkit.kernel_emulation import install_stack_emulation
     from testkit.mooncake_loopback import free_ports
 
+    if unknown := [setup for _, setup, _, _ in cases if setup not in SETUPS]:
+        parser.error(f"argument CASE: unknown setup {unknown}; of {', '.join(SETUPS)}")
     load_plugins()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)[0]}", world_size=1, rank=0
     )
     with pytest.MonkeyPatch.context() as monkeypatch:
         install_stack_emulation(monkeypatch)
-        for case in sys.argv[1:]:
-            setup, ratio, size_gb = case.split(":")
+        for case, setup, ratio, size_gb in cases:
             result = {
                 "case": case,
-                "planned": planned(setup, float(ratio), int(size_gb)),
-                "built": built(setup, float(ratio), int(size_gb)),
+                "planned": planned(setup, ratio, size_gb),
+                "built": built(setup, ratio, size_gb),
             }
             print(json.dumps(result), flush=True)
     dist.destroy_process_group()
