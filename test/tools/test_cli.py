@@ -27,6 +27,8 @@ LLAMA_8B = {
     "num_key_value_heads": 8,
     "hidden_size": 4096,
 }
+BENCH_RUN = ROOT / "docs" / "data" / "bench-h200-mxfp8.json"
+"""A committed L2 bench run, for ``--plot --from``."""
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -373,6 +375,25 @@ BAD_INPUTS = [
         ["bench", "--json-out", "/nonexistent/bench.json"],
         "--json-out",
         "/nonexistent/bench.json",
+    ),
+    bad(
+        "bench_json_out_unwritable",
+        ["bench", "--json-out", "/proc/bench.json"],
+        "--json-out",
+        "/proc/bench.json",
+    ),
+    bad(
+        "bench_plot_unwritable",
+        ["bench", "--plot", "/proc/x.png", "--from", str(BENCH_RUN)],
+        "--plot",
+        "/proc/x.png",
+    ),
+    bad(
+        "bench_plot_not_an_image",
+        ["bench", "--plot", lambda tmp: str(tmp / "x.txt"), "--from", str(BENCH_RUN)],
+        "--plot",
+        "x.txt",
+        ".png",
     ),
     bad(
         "bench_unknown_ablation",

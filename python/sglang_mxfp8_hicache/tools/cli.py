@@ -553,10 +553,26 @@ head_dim = checked(
     int, lambda v: v > 0 and v % SMALLEST_SCALE_BLOCK == 0, SCALED_HEAD_DIMS
 )
 existing_dir = checked(str, lambda p: Path(p).is_dir(), "an existing directory")
-json_out_path = checked(
+
+
+def writable(path: str) -> bool:
+    """Whether a file can be written at ``path``, tried by opening it (root
+    passes ``os.access`` even in ``/proc``); a file made for the try is removed."""
+    made = not Path(path).exists()
+    try:
+        Path(path).open("ab").close()
+    except OSError:
+        return False
+    if made:
+        Path(path).unlink()
+    return True
+
+
+json_out_path = checked(str, writable, "a file that can be written")
+plot_path = checked(
     str,
-    lambda p: not Path(p).is_dir() and Path(p).parent.is_dir(),
-    "a file in an existing directory",
+    lambda p: Path(p).suffix.lower() in (".png", ".pdf", ".svg") and writable(p),
+    "a .png, .pdf or .svg file that can be written",
 )
 json_object = checked(
     json.loads,
@@ -710,7 +726,7 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--repeat", **count, help=f"timed rounds, the median counts {rounds}")
     arg("--check", **switch, help="exit 1 if a cell misses its goal")
     arg("--json-out", type=json_out_path, metavar="PATH", help="write JSON here")
-    arg("--plot", type=json_out_path, metavar="PNG", help="draw --from's runs")
+    arg("--plot", type=plot_path, metavar="PNG", help="draw --from's runs")
     files = comma_list(existing_file, "existing files, comma separated")
     arg("--from", dest="plot_from", type=files, metavar="JSON,...", help="for --plot")
     backends = results.L3_BACKENDS
