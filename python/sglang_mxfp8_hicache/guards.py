@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sglang_mxfp8_hicache.sealed import (
+    MOONCAKE_OBJECT_NOT_FOUND,
     FlatPages,
     HostPages,
     SealedBatches,
@@ -88,7 +89,7 @@ class FileGuard(Guard):
                 continue
             if found != expected:
                 wrong.append(WrongPage(page, key, found, expected))
-        good = leading_good_pages(wrong, len(keys))
+        good = leading_good_pages(wrong, len(keys), self._pool.metrics)
         read = self._backend.batch_get(keys[:good], target_locations[:good])
         return [*read, *[None] * (len(keys) - good)]
 
@@ -97,10 +98,6 @@ WRONG_LENGTH = -2000
 """What the guard reports, in place of the bytes read, for an object that
 arrived with another length than its buffer's (Mooncake's own errors are
 small negative codes; SGLang counts any result above 0 as read)."""
-
-MOONCAKE_OBJECT_NOT_FOUND = -704
-"""Mooncake's ``OBJECT_NOT_FOUND`` (``ErrorCode``), a read's result for an
-object it does not hold."""
 
 
 class MooncakeGuard(Guard):
@@ -133,7 +130,7 @@ class MooncakeGuard(Guard):
             for page, objects in by_page.items()
             if [o[2] for o in objects] != [MOONCAKE_OBJECT_NOT_FOUND] * per_page
         ]
-        good = leading_good_pages(wrong, len(keys))
+        good = leading_good_pages(wrong, len(keys), self._pool.metrics)
         return [*results[:good], *[False] * (len(keys) - good)]
 
     def inner__get_batch_zero_copy_impl(
@@ -262,7 +259,8 @@ class NixlGuard(SealedGuard):
             if found != expected and (not wrong or wrong[-1].page != n // len(sizes)):
                 name = os.path.basename(path)
                 wrong.append(WrongPage(n // len(sizes), name, found, expected))
-        good = min(present, leading_good_pages(wrong, len(keys)))
+        good = leading_good_pages(wrong, len(keys), self._pool.metrics)
+        good = min(present, good)
         if not good:
             return [False] * len(keys)
         page_tokens = len(host_indices) // len(keys)

@@ -22,7 +22,15 @@ import torch
 from sglang.srt.mem_cache.pool_host import common
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from sglang_mxfp8_hicache import hooks, loads, refusals, releases, settings, transfer
+from sglang_mxfp8_hicache import (
+    hooks,
+    loads,
+    metrics,
+    refusals,
+    releases,
+    settings,
+    transfer,
+)
 from sglang_mxfp8_hicache.errors import refusal_error
 from sglang_mxfp8_hicache.geometry import ScaleFormat
 from sglang_mxfp8_hicache.page import HostPage
@@ -95,6 +103,8 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
         )
         self.settings = settings.current()
         hooks_account = hooks.hooks_in_force()
+        self.metrics = metrics.PoolMetrics(pool_label)
+        self._page_layer_bytes = sum(self.host_page.run_bytes())
         self.transfer_choice = self.transfer_choice.for_page(
             self.host_page, self.settings.staging_bytes, pool_label
         )
@@ -110,6 +120,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             **base,
         )
         self.storage_format_tag = self.host_page.storage_format_tag()
+        self.metrics.staging_reserved(self._mover.staging_bytes)
         page, size = self.host_page, self.size
         scale_bytes = size * page.scale_bytes_per_token
         seal_bytes = self.page_num * page.seal_bytes
@@ -238,9 +249,10 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     ) -> None:
         self._require_io(io_backend)
         self._mover.raise_if_refused()
-        self._mover.move(
+        path = self._mover.move(
             self._backup_prepared, host_indices, device_indices, to_host=True
         )
+        self._count_moved(path, True, host_indices, self.layer_num)
 
     def load_to_device_per_layer(
         self,
@@ -254,12 +266,21 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
     ) -> None:
         """Issues ``layer_id``'s group with the first of its layers loaded."""
         self._require_io(io_backend)
-        prepared = self._loads.issue(
+        group = self._loads.issue(
             layer_id, host_indices, device_indices, is_draft=is_draft
         )
-        if prepared is not None:
+        if group is not None:
+            prepared, layers = group
             self._mover.raise_if_refused()
-            self._mover.move(prepared, host_indices, device_indices, to_host=False)
+            path = self._mover.move(
+                prepared, host_indices, device_indices, to_host=False
+            )
+            self._count_moved(path, False, host_indices, layers)
+
+    def _count_moved(self, path: str, to_host: bool, host_indices, layers: int):
+        pages = len(host_indices) // self.page_size
+        nbytes = pages * layers * self._page_layer_bytes
+        self.metrics.moved(path, to_host, pages, nbytes)
 
     def _page_of(self, index) -> int:
         index = int(index)

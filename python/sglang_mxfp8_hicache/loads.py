@@ -21,7 +21,9 @@ ONE_LAUNCH_BYTES = 256 << 10
 
 LayerGroups = Callable[..., list[range]]
 """``(layer_num, layer_bytes, *, min_layers)`` to a load's layer groups."""
-_Plan = tuple[list[object], dict[int, int]]  # prepared groups, group of each layer
+Group = tuple[object, int]
+"""A layer group as the mover prepared it, and its number of layers."""
+_Plan = tuple[list[Group], dict[int, int]]  # the groups, the group of each layer
 
 
 def doubling_layer_groups(layer_num: int) -> list[range]:
@@ -82,7 +84,7 @@ class LoadPlanner:
         self._full_pages = -(-MIN_LOAD_GROUP_BYTES // self._layer_bytes)
         self._plans: dict[int, _Plan] = {}
         self._drafts = {
-            layer: mover.prepare(range(layer, layer + 1))
+            layer: (mover.prepare(range(layer, layer + 1)), 1)
             for layer in range(target_layers, page.layer_num)
         }
         # The load under way (its index tensors kept: no later pair reuses their id).
@@ -102,14 +104,17 @@ class LoadPlanner:
                 self._target_layers, layer_bytes, min_layers=self._min_layers
             )
             prepared = [
-                self._mover.prepare(g, by_sm=n == 0) for n, g in enumerate(groups)
+                (self._mover.prepare(g, by_sm=n == 0), len(g))
+                for n, g in enumerate(groups)
             ]
             group_of = {layer: n for n, g in enumerate(groups) for layer in g}
             self._plans[pages] = (prepared, group_of)
         return self._plans[pages]
 
-    def issue(self, layer_id: int, host_indices, device_indices, *, is_draft: bool):
-        """The prepared group to move for ``layer_id``, or None if on its way."""
+    def issue(
+        self, layer_id: int, host_indices, device_indices, *, is_draft: bool
+    ) -> Group | None:
+        """The group to move for ``layer_id``, or None if on its way."""
         if is_draft:
             return self._drafts.get(layer_id)
         if layer_id >= self._target_layers:

@@ -25,6 +25,7 @@ from sglang_mxfp8_hicache.chunked import ChunkedCalls
 if TYPE_CHECKING:
     import torch
 
+    from sglang_mxfp8_hicache.metrics import PoolMetrics
     from sglang_mxfp8_hicache.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,11 @@ PageParts = tuple[np.ndarray, np.ndarray]
 
 UNSEALED = -2
 """The size reported for a page of the right size whose seal does not match."""
+
+
+MOONCAKE_OBJECT_NOT_FOUND = -704
+"""Mooncake's ``OBJECT_NOT_FOUND`` (``ErrorCode``), a read's result for an
+object it does not hold: a page with another of its objects lacks a part."""
 
 
 class WrongPage(NamedTuple):
@@ -46,13 +52,27 @@ class WrongPage(NamedTuple):
     found: int
     expected: int
 
+    @property
+    def reason(self) -> str:
+        """Why it is a miss, as ``metrics.MISS_REASONS`` names it."""
+        if self.found == UNSEALED:
+            return "seal_mismatch"
+        if self.found == MOONCAKE_OBJECT_NOT_FOUND:
+            return "part_missing"
+        return "read_error" if self.found < 0 else "wrong_size"
 
-def leading_good_pages(wrong: Sequence[WrongPage], pages: int) -> int:
+
+def leading_good_pages(
+    wrong: Sequence[WrongPage], pages: int, counts: PoolMetrics
+) -> int:
     """The pages of a batch of ``pages`` before the first wrong one; the
-    wrong ones are logged once."""
+    wrong ones are logged once, and counted with the pages behind them."""
     if not wrong:
         return pages
     first = wrong[0]
+    for page in wrong:
+        counts.l3_missed(page.reason, 1)
+    counts.l3_missed("behind_a_miss", pages - first.page - len(wrong))
     found = (
         "unsealed"
         if first.found == UNSEALED
@@ -239,7 +259,9 @@ class SealedBatches:
         keys = batch.keys
 
         def check(start: int, end: int, reply: Any) -> int:
-            if reply is None:
+            if reply is None:  # the backend raised: logged by read_or_log
+                self.pool.metrics.l3_missed("backend_raised", end - start)
+                self.pool.metrics.l3_missed("behind_a_miss", len(keys) - end)
                 return 0
             arrived = batch.arrived(start, end, reply)
             sized = [n for n, got in enumerate(arrived) if not isinstance(got, int)]
@@ -255,7 +277,8 @@ class SealedBatches:
                 for n, got in enumerate(arrived)
                 if got is not True
             ]
-            return min(len(arrived), leading_good_pages(wrong, len(keys)) - start)
+            good = leading_good_pages(wrong, len(keys), self.pool.metrics)
+            return min(len(arrived), good - start)
 
         good, replies = self.reads.read_checked(
             len(keys),

@@ -116,8 +116,14 @@ class PageChunkMover:
         """What ``move`` needs, made once; ``by_sm``: loads by SM copies only."""
         raise NotImplementedError
 
-    def move(self, prepared, host_indices, device_indices, *, to_host: bool) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host: bool) -> str:
+        """Moves the pages; which of ``metrics.PATHS`` they took."""
         raise NotImplementedError
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device staging this mover's process holds (shared by its pools)."""
+        return 0
 
     def raise_if_refused(self) -> None:
         """Raises if an earlier launch refused a page."""
@@ -167,9 +173,10 @@ class PageChunkKernel(PageChunkMover):
     def prepare(self, layers: range, *, by_sm: bool = False) -> torch.Tensor:
         return self._all[layers.start : layers.stop]
 
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> str:
         indices = (prepared, self._refused, host_indices, device_indices)
         self._module.transfer(*indices, *self._args, to_host, self.max_blocks)
+        return "sm_kernel"
 
     def raise_if_refused(self) -> None:
         side, first_token = self._refused_words.tolist()
@@ -278,12 +285,17 @@ class StagedPageChunks(PageChunkKernel):
             for to_host in (True, False)
         }
 
+    @property
+    def staging_bytes(self) -> int:
+        rings = (ring for ring in self._rings.values() if ring is not None)
+        return sum(ring.buffer.numel() for ring in rings)
+
     def describe(self, backup: StagedPrepared) -> str:
         rings = [ring for ring in self._rings.values() if ring is not None]
         said = (
             f"; transfers of {self.min_bytes >> 20} MiB or more with host "
             "indices on the CPU go through device staging and the copy engines "
-            f"({sum(r.buffer.numel() for r in rings) >> 20} MiB on this GPU, "
+            f"({self.staging_bytes >> 20} MiB on this GPU, "
             "shared by the process's block-scaled host pools; "
             "SGLANG_MXFP8_HICACHE_STAGING_MB)"
         )
@@ -327,7 +339,7 @@ class StagedPageChunks(PageChunkKernel):
             )
         return prepared
 
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> str:
         plan = prepared.staged.get(to_host)
         pages = host_indices.numel() // self._tables.page_size
         if (
@@ -336,11 +348,13 @@ class StagedPageChunks(PageChunkKernel):
             or host_indices.dtype != torch.int64
             or pages * plan.stride < self.min_bytes
         ):
-            super().move(prepared.direct, host_indices, device_indices, to_host=to_host)
-            return
+            return super().move(
+                prepared.direct, host_indices, device_indices, to_host=to_host
+            )
         self._module.staged_transfer(
             *plan.before, host_indices, device_indices, *plan.after
         )
+        return "copy_engines"
 
 
 def fallback_element(run_bytes: int) -> int | None:
@@ -397,7 +411,7 @@ class SGLangChunkKernels(PageChunkMover):
             launches.append((device, host, element, size))
         return launches
 
-    def move(self, prepared, host_indices, device_indices, *, to_host) -> None:
+    def move(self, prepared, host_indices, device_indices, *, to_host) -> str:
         page_size, device = self._tables.page_size, self._tables.device
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
         check_transfer_pages(host_indices, device_indices, page_size, what)
@@ -427,6 +441,7 @@ class SGLangChunkKernels(PageChunkMover):
                 cache_dst_stride_bytes=dst_stride,
                 element_size=element,
             )
+        return "sglang_kernel"
 
 
 MoverFactory = Callable[[PageChunkTables], PageChunkMover]

@@ -51,6 +51,7 @@ from sglang_mxfp8_hicache.tools.pools import (
     page_token_indices,
 )
 from testkit import dict_l3_backend
+from testkit import metrics as counted
 
 on_cpu = pytest.mark.parametrize("device", ["cpu"], indirect=True)
 
@@ -886,6 +887,22 @@ FAULTS = [
 ]
 
 
+MISS_REASONS = {
+    "other_page": "seal_mismatch",
+    "stale_tail": "seal_mismatch",
+    "missing_part": "part_missing",
+    "mooncake-longer": "read_error",
+    "mooncake-other_geometry": "read_error",
+    "dynamic_v1-truncated": "seal_mismatch",
+    "nixl-longer": "seal_mismatch",
+}
+"""The reason a planted fault is counted under: a flipped bit, another page
+or a stale tail fails its seal, a part missing is one; Mooncake refuses to
+read a longer object into its buffer (an error code); where a backend reads
+into the host page without a size (``dynamic_v1``, NIXL past a page's end)
+the seal finds it; else the size is wrong."""
+
+
 @pytest.mark.parametrize(
     "backend, fault",
     FAULTS,
@@ -905,9 +922,11 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     expected_hits = 2 if fault in ("missing", "missing_part") else 6
     assert hits == stored.hashes[:expected_hits]
     caplog.clear()
+    before = counted.missed(host.pool_label)
     with caplog.at_level(logging.WARNING):
         arrived = stored.fetch()
     assert arrived == 2
+    missed = counted.grown(before, counted.missed(host.pool_label))
     # Backends checked by seals read every page before it is judged, Mooncake's
     # lengths are checked on arrival, and SeaweedFS reads a batch's pages in
     # parallel, past a bad one: into the prefetch's own host pages, which
@@ -921,10 +940,16 @@ def test_bad_page_is_a_miss(make_pools, open_io, backend, fault, caplog):
     ours = [r.getMessage() for r in caplog.records if r.name == sealed.__name__]
     if fault == "missing" or backend[0] == "seaweedfs":
         # The backend's miss, logged by SGLang (SeaweedFS checks sizes itself).
-        assert ours == []
+        assert ours == [] and missed == {}
     else:
         [line] = ours
         assert "2 of 6 pages in this batch are missing a part or have the wrong" in line
+        # Pages 2 and 3 by their fault, pages 4 and 5 behind them.
+        flipped = fault.startswith("flipped_")
+        name = backend[0] + ("_v1" if "interface_v1" in (backend[1] or {}) else "")
+        reason = MISS_REASONS.get(f"{name}-{fault}", MISS_REASONS.get(fault))
+        reason = "seal_mismatch" if flipped else reason or "wrong_size"
+        assert missed == {reason: 2, "behind_a_miss": 2}, missed
 
 
 @pytest.mark.parametrize(
@@ -1007,13 +1032,17 @@ dynamic_only = pytest.mark.parametrize(
 @dynamic_only
 def test_dynamic_backend_error_is_a_miss(make_pools, open_io, backend, caplog):
     """A dynamic class that raises on a read: no page arrives, no host page
-    changes, one warning."""
+    changes, one warning, three pages counted as the backend's raise."""
     _, host = make_pools(heads=4, head_dim=128, layers=2, pages=3)
     stored = Stored(open_io(host), pages=3, seed=5)
     dict_l3_backend.FAULTS.add("raise")
+    before = counted.missed(host.pool_label)
     with caplog.at_level(logging.WARNING):
         assert stored.fetch() == 0
     stored.check(0)
+    assert counted.grown(before, counted.missed(host.pool_label)) == {
+        "backend_raised": 3
+    }
     ours = [r.getMessage() for r in caplog.records if r.name == sealed.__name__]
     assert len(ours) == 1 and "dict store unreachable" in ours[0]
 

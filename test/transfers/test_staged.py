@@ -21,6 +21,7 @@ from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferCh
 from sglang_mxfp8_hicache.loads import load_layer_groups
 from sglang_mxfp8_hicache.page import PARTS, HostPage
 from sglang_mxfp8_hicache.tools.pools import fill_random, page_token_indices
+from testkit import metrics as counted
 from testkit.pools import device_buffers, round_trip
 
 
@@ -246,22 +247,29 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
     """With host indices on the CPU (the controller's, with the plugin's hook)
     a transfer of 4 MiB or more goes through staging; on the GPU, by SM
-    copies."""
+    copies. The pool's counters say which path moved how much, and the
+    staging it holds."""
     device_pool, host = make_pools(heads=8, head_dim=128, layers=2, pages=10)
     mover = host._mover
     assert isinstance(mover, transfer.StagedPageChunks)
+    assert counted.staging_reserved() == mover.staging_bytes > 0
     calls: list[str] = []
     mover._module = _Recording(mover._module, calls)
     fill_random(
         device_buffers(device_pool), torch.Generator(device=device).manual_seed(3)
     )
     tokens = page_token_indices(torch.arange(10) + 1)
+    page_bytes = host.layer_num * sum(host.host_page.run_bytes())
+    before = counted.moved(host.pool_label)
     host.backup_from_device_all_layer(
         device_pool, page_token_indices(torch.arange(10)), tokens.to(device), "kernel"
     )
     assert calls == ["staged_transfer"]
+    moved = counted.grown(before, counted.moved(host.pool_label))
+    assert moved == {("copy_engines", "backup"): (10, 10 * page_bytes)}
     if device == "cuda":
         calls.clear()
+        before = counted.moved(host.pool_label)
         host.backup_from_device_all_layer(
             device_pool,
             page_token_indices(torch.arange(10)).to(device),
@@ -269,6 +277,8 @@ def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
             "kernel",
         )
         assert calls == ["transfer"]
+        moved = counted.grown(before, counted.moved(host.pool_label))
+        assert moved == {("sm_kernel", "backup"): (10, 10 * page_bytes)}
 
 
 class _Recording:

@@ -17,9 +17,10 @@ from testkit import ROOT
 PACKAGE = ROOT / "python" / "sglang_mxfp8_hicache"
 CORE = tuple(sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"))
 """The modules a server imports: every module of the package but ``tools/``."""
-CORE_LINE_BUDGET = 3600
-"""Lines of ``python/sglang_mxfp8_hicache/*.py``: the plugin, the page, the
-pool, the movers, the L3 guards, the settings and the release adapter."""
+CORE_LINE_BUDGET = 3900
+"""Lines of ``python/sglang_mxfp8_hicache/*.py``: the plugin and its hook
+account, the page, the pool, the movers, the L3 guards, the settings, the
+metrics and the release adapter."""
 TOOLS_LINE_BUDGET = 2950
 """Lines of ``tools/*.py``: check (with its own round trip), size (with its
 planner), and the L2 and L3 benches (timing beside the forward pass
