@@ -9,10 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 
-from sglang_mxfp8_hicache import __version__
+from sglang_mxfp8_hicache import __version__, hooks, settings
+from sglang_mxfp8_hicache.hooks import HookState
 from sglang_mxfp8_hicache.tools import cli, results
 from sglang_mxfp8_hicache.tools.cli import main
 from sglang_mxfp8_hicache.tools.results import BENCH_GEOMETRIES, BENCH_PAGES
@@ -710,8 +712,14 @@ def test_check_command():
     )
     steps = {s["name"]: s for s in json.loads(done.stdout)}
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert steps["settings"]["detail"] == settings.current().describe()
     assert steps["dispatch in a fresh process"]["detail"] == (
         "mxfp8, fp4_mx_block16, nvfp4 -> ours, bf16 -> SGLang's, in a new process"
+    )
+    hooks_in_force = f"all {len(hooks.served_hooks())} in force in a new process"
+    assert steps["plugin hooks"]["detail"] == hooks_in_force
+    assert steps["host sizing (example)"]["detail"].startswith(
+        "Llama-3.1-8B, ratio 2: 67648 B/token (65536 payload, 2048 scales, 64 seal)"
     )
     for name, step in steps.items():
         if name == "GPU round trip" and not torch.cuda.is_available():
@@ -724,6 +732,61 @@ def test_check_command():
         m[1] for line in done.stderr.splitlines() if (m := ended.fullmatch(line))
     ]
     assert progress == [f"{name}: {step['status']}" for name, step in steps.items()]
+
+
+def _hook(short: str, in_force: bool, pages_wrong: bool = False) -> HookState:
+    return HookState(f"sglang.srt.x.{short}", in_force, f"{short}'s cost", pages_wrong)
+
+
+@pytest.mark.parametrize(
+    "states, status, detail",
+    [
+        ([_hook("a", True), _hook("b", True)], "ok", "all 2 in force in a new process"),
+        (
+            [_hook("a", True), _hook("b", False), _hook("c", False)],
+            "warn",
+            "b missing: b's cost; c missing: c's cost",
+        ),
+        (
+            [_hook("a", False), _hook("b", False, pages_wrong=True)],
+            "FAIL",
+            "a missing: a's cost; b missing: b's cost",
+        ),
+    ],
+    ids=["all_in_force", "missing", "missing_makes_pages_wrong"],
+)
+def test_check_names_each_missing_hook_and_its_cost(states, status, detail):
+    """The fresh process's hook states as ``check`` reads them back: each
+    missing hook by its short target and cost, a failure where it could make
+    pages wrong."""
+    written = msgspec.json.encode(results.Dispatch({}, tuple(states)))
+    found = msgspec.json.decode(written, type=results.Dispatch)
+    assert cli._check_hooks(found) == (status, detail)
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [("STAGING_MB", "lots"), ("DISABLE", "maybe"), ("SEAL_THREADS", "0")],
+)
+def test_check_refuses_a_bad_setting(monkeypatch, capsys, variable, value):
+    """A variable's bad value is one line naming it, exit 2, before any step."""
+    monkeypatch.setenv(f"SGLANG_MXFP8_HICACHE_{variable}", value)
+    monkeypatch.setattr(cli, "_fresh_process", lambda: pytest.fail("a step ran"))
+    settings.current.cache_clear()
+    try:
+        code, out, err = run_cli(["check"], capsys)
+    finally:
+        settings.current.cache_clear()
+    assert (code, out) == (2, "")
+    assert err == (
+        f"sglang-mxfp8-hicache check: error: SGLANG_MXFP8_HICACHE_{variable}="
+        f"{value!r} is not accepted: give {_accepts(variable)}, or leave it unset.\n"
+    )
+
+
+def _accepts(variable: str) -> str:
+    [found] = [v for v in settings.VARIABLES if v.setting == variable.lower()]
+    return found.accepts
 
 
 @pytest.mark.parametrize("control", [False, True], ids=["ours", "payload_only"])
@@ -754,13 +817,9 @@ def test_check_round_trip(make_pools, control):
 def test_check_require_gpu(monkeypatch, capsys, flags, code):
     """A GPU step that could not run is not a failure, unless --require-gpu
     asks for the GPU steps (CI of GPU users); the exit names the step."""
-    for name in (
-        "_check_version",
-        "_check_entry_point",
-        "_check_dispatch",
-        "_check_sizing",
-    ):
-        monkeypatch.setattr(cli, name, lambda: (cli.OK, "stand-in"))
+    monkeypatch.setattr(cli, "_fresh_process", lambda: "stand-in")
+    for name in ("version", "entry_point", "dispatch", "hooks", "sizing"):
+        monkeypatch.setattr(cli, f"_check_{name}", lambda *_: (cli.OK, "stand-in"))
     monkeypatch.setattr(cli, "_check_round_trip", lambda: (cli.SKIPPED, "no CUDA"))
     exit_code, out, err = run_cli(["check", *flags], capsys)
     assert exit_code == code

@@ -8,6 +8,7 @@ code 2, never a traceback: argparse types check each flag where it is parsed,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import subprocess
@@ -20,29 +21,14 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from sglang_mxfp8_hicache import __version__
+from sglang_mxfp8_hicache import __version__, settings
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
-from sglang_mxfp8_hicache.tools import results
-from sglang_mxfp8_hicache.tools.results import Step
-from sglang_mxfp8_hicache.tools.sizing import (
-    HICACHE_RATIO,
-    HOST_MEMORY_RESERVE_BYTES,
-    MAX_NODE_HOST_BYTES,
-    PAGE_SIZE,
-    SCALED_HEAD_DIMS,
-    SMALLEST_SCALE_BLOCK,
-    SWA_FULL_TOKENS_RATIO,
-    HostPlan,
-    ModelKV,
-    SizingError,
-    dense_model,
-    host_plan,
-    read_model,
-)
+from sglang_mxfp8_hicache.tools import results, sizing
 
 PROG = "sglang-mxfp8-hicache"
-OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
+OK, WARN, FAIL, SKIPPED = "ok", "warn", "FAIL", "skipped"
 EXAMPLE_MODEL = dict(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
 EXAMPLE_DEVICE_TOKENS = 500_000
 BENCH_LAYERS = 8
@@ -66,9 +52,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def print_table(headers: list[str], rows: list[list[str]]) -> None:
-    widths = [
-        max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))
-    ]
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=True)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(line.format(*headers).rstrip())
     print(line.format(*("-" * w for w in widths)).rstrip())
@@ -98,13 +82,15 @@ def _check_entry_point() -> tuple[str, str]:
 
 
 def print_dispatch() -> None:
-    """The host pool class SGLang's assembler picks for a small CPU device pool
-    of each block-scaled format and of bf16, after ``load_plugins()``: one JSON
-    object, for ``check`` to read from a fresh process, as in a scheduler."""
+    """What a scheduler's process gets after ``load_plugins()``, for ``check``
+    to read from a fresh process: one :class:`results.Dispatch` as JSON, with
+    the host pool class SGLang's assembler picks for a small CPU device pool
+    of each block-scaled format and of bf16, and each plugin hook's state."""
     import torch
     from sglang.srt.plugins import load_plugins
 
     from sglang_mxfp8_hicache import releases
+    from sglang_mxfp8_hicache.hooks import hook_states
     from sglang_mxfp8_hicache.tools.pools import build_device_pool
 
     load_plugins()
@@ -118,35 +104,56 @@ def print_dispatch() -> None:
         selector_input = releases.host_pool_selector_input(pool)
         cls = hybrid_pool_assembler.get_mha_host_pool_cls(selector_input)
         chosen[kind] = f"{cls.__module__}.{cls.__qualname__}"
-    print(json.dumps(chosen))
+    found = results.Dispatch(chosen, tuple(hook_states()))
+    print(msgspec.json.encode(found).decode())
 
 
-def _check_dispatch() -> tuple[str, str]:
-    from sglang_mxfp8_hicache import settings
-
+def _fresh_process() -> results.Dispatch | str:
+    """``print_dispatch``'s findings in a new process, or why there are none."""
     if settings.current().disable:
-        why = "SGLANG_MXFP8_HICACHE_DISABLE is set: SGLang keeps its own host pool"
-        return FAIL, why
+        return "SGLANG_MXFP8_HICACHE_DISABLE is set: SGLang keeps its own host pool"
     code = "from sglang_mxfp8_hicache.tools.cli import print_dispatch; print_dispatch()"
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600
     )
     if done.returncode:
-        return FAIL, done.stderr.strip().splitlines()[-1]
-    chosen = json.loads(done.stdout.strip().splitlines()[-1])
+        return (done.stderr.strip() or f"exit {done.returncode}").splitlines()[-1]
+    last = done.stdout.strip().splitlines()[-1]
+    return msgspec.json.decode(last, type=results.Dispatch)
+
+
+def _check_dispatch(found: results.Dispatch | str) -> tuple[str, str]:
+    if isinstance(found, str):
+        return FAIL, found
     ours = "sglang_mxfp8_hicache.host_pool.MHATokenToKVPoolMXFP8Host"
-    if all(chosen[kind] == ours for kind in FORMATS) and chosen["bf16"] != ours:
+    if all(found.chosen[k] == ours for k in FORMATS) and found.chosen["bf16"] != ours:
         return OK, f"{', '.join(FORMATS)} -> ours, bf16 -> SGLang's, in a new process"
-    return FAIL, f"chosen: {chosen}"
+    return FAIL, f"chosen: {found.chosen}"
+
+
+def _check_hooks(found: results.Dispatch | str) -> tuple[str, str]:
+    """OK where every plugin hook is in force; else each missing one's target
+    and cost: a warning, a failure where pages could restore wrong."""
+    if isinstance(found, str):
+        return FAIL, found
+    missing = [hook for hook in found.hooks if not hook.in_force]
+    if not missing:
+        return OK, f"all {len(found.hooks)} in force in a new process"
+    costs = "; ".join(
+        f"{hook.target.rsplit('.', 1)[-1]} missing: {hook.if_missing}"
+        for hook in missing
+    )
+    return (FAIL if any(hook.pages_wrong for hook in missing) else WARN), costs
 
 
 def _check_sizing() -> tuple[str, str]:
-    model = dense_model(**EXAMPLE_MODEL, tp_size=1)
-    [pool] = host_plan(model, device_tokens=EXAMPLE_DEVICE_TOKENS).pools
+    model = sizing.dense_model(**EXAMPLE_MODEL, tp_size=1)
+    [pool] = sizing.host_plan(model, device_tokens=EXAMPLE_DEVICE_TOKENS).pools
     return OK, (
         f"Llama-3.1-8B, ratio 2: {pool.bytes_per_token} B/token "
-        f"({pool.scale_bytes_per_token} of scales), {pool.host_tokens} host tokens, "
-        f"{pool.host_bytes / 1e9:.2f} GB"
+        f"({pool.payload_bytes_per_token} payload, {pool.scale_bytes_per_token} "
+        f"scales, {pool.seal_bytes_per_token} seal), {pool.host_tokens} host "
+        f"tokens, {pool.host_bytes / 1e9:.2f} GB"
     )
 
 
@@ -174,7 +181,7 @@ def _check_round_trip() -> tuple[str, str]:
     return (OK if ok else FAIL), f"8x128, 8 layers, {found}"
 
 
-def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> Step:
+def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> results.Step:
     started = time.monotonic()
     try:
         status, detail = fn()
@@ -183,14 +190,21 @@ def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> Step:
     # The GPU step compiles kernels: say what has finished as it does.
     took = time.monotonic() - started
     print(f"{name}: {status} ({took:.0f} s)", file=sys.stderr, flush=True)
-    return Step(name, status, detail)
+    return results.Step(name, status, detail)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        settings.current()
+    except BlockScaledHiCacheConfigError as exc:
+        raise UsageError(str(exc)) from None
+    fresh = functools.cache(_fresh_process)  # one process for both of its steps
     checks = [
         ("sglang version", _check_version),
         ("plugin entry point", _check_entry_point),
-        ("dispatch in a fresh process", _check_dispatch),
+        ("settings", lambda: (OK, settings.current().describe())),
+        ("dispatch in a fresh process", lambda: _check_dispatch(fresh())),
+        ("plugin hooks", lambda: _check_hooks(fresh())),
         ("host sizing (example)", _check_sizing),
         ("GPU round trip", _check_round_trip),
     ]
@@ -199,9 +213,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.format(msgspec.json.encode(steps).decode(), indent=2))
     else:
-        print_table(
-            ["step", "status", "detail"], [[s.name, s.status, s.detail] for s in steps]
-        )
+        rows = [[s.name, s.status, s.detail] for s in steps]
+        print_table(["step", "status", "detail"], rows)
         if skipped:
             print(f"\nNot run on this machine: {', '.join(skipped)}.")
     if any(s.status == FAIL for s in steps):
@@ -215,7 +228,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 # -- size -----------------------------------------------------------------------
 
 
-def _model(args: argparse.Namespace) -> ModelKV:
+def _model(args: argparse.Namespace) -> sizing.ModelKV:
     """The model from --config or from the three flags, never a mix: a flag
     that quietly overrode one field of a config would size some other model."""
     flags = {"--layers": args.layers, "--kv-heads": args.kv_heads}
@@ -225,23 +238,17 @@ def _model(args: argparse.Namespace) -> ModelKV:
     if args.config is not None:
         if given:
             raise UsageError(f"--config with {', '.join(given)}: {choice}")
+        ratio = args.swa_full_tokens_ratio or sizing.SWA_FULL_TOKENS_RATIO
         try:
-            return read_model(
-                args.config,
-                tp_size=args.tp_size,
-                swa_full_tokens_ratio=args.swa_full_tokens_ratio
-                or SWA_FULL_TOKENS_RATIO,
+            return sizing.read_model(
+                args.config, tp_size=args.tp_size, swa_full_tokens_ratio=ratio
             )
-        except SizingError as exc:
+        except sizing.SizingError as exc:
             raise UsageError(f"--config {exc}") from None
     if missing := [flag for flag in flags if flag not in given]:
         raise UsageError(f"no {', '.join(missing)}: {choice}")
-    return dense_model(
-        layers=args.layers,
-        kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        tp_size=args.tp_size,
-    )
+    dims = dict(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    return sizing.dense_model(**dims, tp_size=args.tp_size)
 
 
 def _given(value: Any, default: Any) -> Any:
@@ -254,10 +261,10 @@ def _gb(n: int) -> str:
 
 def cmd_size(args: argparse.Namespace) -> int:
     model = _model(args)
-    plan = host_plan(
+    plan = sizing.host_plan(
         model,
         device_tokens=args.device_tokens,
-        hicache_ratio=_given(args.hicache_ratio, HICACHE_RATIO),
+        hicache_ratio=_given(args.hicache_ratio, sizing.HICACHE_RATIO),
         hicache_size_gb=args.hicache_size,
         fmt=FORMATS[args.kv_cache_dtype],
         page_size=args.page_size,
@@ -280,16 +287,16 @@ def cmd_size(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_plan(plan: HostPlan, args: argparse.Namespace) -> None:
-    sizing = (
+def _print_plan(plan: sizing.HostPlan, args: argparse.Namespace) -> None:
+    ratio = _given(args.hicache_ratio, sizing.HICACHE_RATIO)
+    tier = (
         f"--hicache-size {args.hicache_size} GB per rank"
         if args.hicache_size > 0
-        else f"--hicache-ratio {_given(args.hicache_ratio, HICACHE_RATIO)} x "
-        f"{args.device_tokens} device tokens"
+        else f"--hicache-ratio {ratio} x {args.device_tokens} device tokens"
     )
     print(
         f"{plan.source}: TP {plan.tp_size}, --kv-cache-dtype {plan.kv_cache_dtype}, "
-        f"page_size {plan.page_size}, {sizing}"
+        f"page_size {plan.page_size}, {tier}"
     )
     headers = ["pool", "layers", "KV heads x dim", "device tokens"]
     headers += ["B/token (payload+scales+seals)", "host tokens", "host GB"]
@@ -334,29 +341,25 @@ def _host_budget_per_rank(
     if host_memory_gb is not None:
         free, whose = int(host_memory_gb * 1e9), "the server's, by --host-memory-gb"
     else:
+        import importlib.util
+
+        # Run from its file: sglang/__init__.py imports torch (seconds).
         try:
-            host_memory = _sglang_module_alone("sglang.srt.mem_cache.host_memory")
+            package = Path(importlib.util.find_spec("sglang").origin).parent
+            path = package / "srt" / "mem_cache" / "host_memory.py"
+            spec = importlib.util.spec_from_file_location("host_memory", path)
+            host_memory = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(host_memory)
             free = host_memory.available_host_memory_bytes(allow_cgroup_fallback=True)
         except Exception:  # sizing still answers where SGLang cannot tell
             return None, ""
         whose = "this machine's; --host-memory-gb gives the server's"
-    return max(free - HOST_MEMORY_RESERVE_BYTES, 0) // ranks, whose
+    return max(free - sizing.HOST_MEMORY_RESERVE_BYTES, 0) // ranks, whose
 
 
-def _sglang_module_alone(module: str) -> Any:
-    """SGLang's ``module``, one that imports nothing of SGLang's, run from its
-    file without ``sglang/__init__.py`` (which imports torch: seconds)."""
-    import importlib.util
-
-    package = Path(importlib.util.find_spec("sglang").origin).parent
-    path = package.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    spec = importlib.util.spec_from_file_location(module, path)
-    found = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(found)
-    return found
-
-
-def _flags_that_do_not_apply(args: argparse.Namespace, model: ModelKV) -> list[str]:
+def _flags_that_do_not_apply(
+    args: argparse.Namespace, model: sizing.ModelKV
+) -> list[str]:
     """One line per flag given that the model or the other flags leave unused."""
     unused = {
         "--swa-full-tokens-ratio": args.swa_full_tokens_ratio is not None
@@ -457,7 +460,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         beside=args.beside,
     )
     print(
-        f"{torch.cuda.get_device_name()}, page_size {PAGE_SIZE}, "
+        f"{torch.cuda.get_device_name()}, page_size {sizing.PAGE_SIZE}, "
         f"median of {repeat} runs (CUDA events)"
     )
     if args.beside:
@@ -550,9 +553,13 @@ def number(parse: type, low: float, high: float = math.inf, *, above: bool = Fal
 
 positive_int, non_negative_int = number(int, 1), number(int, 0)
 head_dim = checked(
-    int, lambda v: v > 0 and v % SMALLEST_SCALE_BLOCK == 0, SCALED_HEAD_DIMS
+    int,
+    lambda v: v > 0 and v % sizing.SMALLEST_SCALE_BLOCK == 0,
+    sizing.SCALED_HEAD_DIMS,
 )
 existing_dir = checked(str, lambda p: Path(p).is_dir(), "an existing directory")
+existing_file = checked(str, lambda p: Path(p).is_file(), "an existing file")
+name = checked(str.strip, bool, "a name")
 
 
 def writable(path: str) -> bool:
@@ -594,18 +601,6 @@ def geometry(text: str) -> tuple[int, int, int]:
     return heads, dim, layers[0] if layers else BENCH_LAYERS
 
 
-def name(text: str) -> str:
-    if not text.strip():
-        raise ValueError(text)
-    return text.strip()
-
-
-def existing_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise ValueError(text)
-    return text
-
-
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = OneLineErrorParser(
@@ -642,10 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_check,
         "is the plugin installed and chosen by SGLang; on CUDA, a byte-exact "
         "round trip with the real JIT kernels",
-        "Verify the install: SGLang version, plugin entry point, the host pool\n"
-        "SGLang picks in a fresh process, sizing and, on a CUDA GPU, a round\n"
-        "trip of random MXFP8 pages. Each step reports on stderr as it ends.\n"
-        "Exit 1 if a step fails (--require-gpu: or a GPU step did not run).",
+        "Verify the install: SGLang version, plugin entry point, settings, the\n"
+        "host pool SGLang picks and the plugin hooks in force in a fresh process,\n"
+        "sizing and, on a CUDA GPU, a round trip of random MXFP8 pages. Exit 1 if\n"
+        "a step fails (--require-gpu: or a GPU step did not run), 2 on a bad setting.",
     )
     arg("--json", **switch, help="print the steps as JSON")
     arg("--require-gpu", **switch, help="exit 1 if a GPU step could not run")
@@ -660,15 +655,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads and --head-dim.",
     )
     arg("--kv-cache-dtype", choices=list(FORMATS), default="mxfp8", help="the format")
-    arg("--page-size", **count, default=PAGE_SIZE, help="tokens per page")
+    arg("--page-size", **count, default=sizing.PAGE_SIZE, help="tokens per page")
     arg("--config", metavar="PATH", help="a model directory or any JSON config file")
     arg("--layers", **count, help="num_hidden_layers")
     arg("--kv-heads", **count, help="num_key_value_heads")
-    arg("--head-dim", type=head_dim, metavar="N", help=SCALED_HEAD_DIMS)
+    arg("--head-dim", type=head_dim, metavar="N", help=sizing.SCALED_HEAD_DIMS)
     arg("--tp-size", **count, default=1, help="tensor parallel ranks")
     tokens = dict(type=number(int, 1, 1 << 40), metavar="N", required=True)
     arg("--device-tokens", **tokens, help="the device (full) pool's tokens")
-    ratio = f"host tokens per device token ({HICACHE_RATIO})"
+    ratio = f"host tokens per device token ({sizing.HICACHE_RATIO})"
     arg("--hicache-ratio", type=number(float, 0, 1000), metavar="R", help=ratio)
     gb = dict(type=number(int, 0, 1_000_000), metavar="GB", default=0)
     arg("--hicache-size", **gb, help="host GB (1e9 B) per rank; 0: use the ratio")
@@ -676,13 +671,13 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--hicache-mem-layout", **layouts, help="page_head: no seals in a page")
     swa = dict(type=number(float, 0, 1, above=True), metavar="R")
     swa["help"] = "hybrid SWA: SWA pool tokens per full pool token"
-    swa["help"] += f" (default: {SWA_FULL_TOKENS_RATIO})"
+    swa["help"] += f" (default: {sizing.SWA_FULL_TOKENS_RATIO})"
     arg("--swa-full-tokens-ratio", **swa)
     arg("--max-mamba-cache-size", **count, help="Mamba slots (with --hicache-size)")
     drafts = dict(type=non_negative_int, metavar="N", default=0)
     arg("--draft-layers", **drafts, help="packed MTP/NextN draft layers")
     arg("--gpus-per-node", **count, default=8, help="ranks on one host")
-    memory = dict(type=number(float, 0, MAX_NODE_HOST_BYTES / 1e9), metavar="GB")
+    memory = dict(type=number(float, 0, sizing.MAX_NODE_HOST_BYTES / 1e9), metavar="GB")
     arg("--host-memory-gb", **memory, help="the server's free RAM (default: here)")
     arg("--json", **switch, help="print the plan as JSON")
 
@@ -745,12 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, SizingError) as exc:
+    except (UsageError, sizing.SizingError, BenchFailed) as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except BenchFailed as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(exc, BenchFailed) else 2
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Typed results (msgspec) the tools write and every reader shares (the CLI,
 ``bench --plot``, the tests, the JSON under ``docs/data``): ``check``'s steps,
-the L2 bench's rows, the L3 bench's report; and what a run covers by default.
+its fresh process's findings, the L2 bench's rows, the L3 bench's report; and what a run covers by default.
 No torch here: ``--help`` and ``bench --plot`` start at once."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import statistics
 import msgspec
 
 from sglang_mxfp8_hicache.geometry import FP4_FORMAT_NAMES
+from sglang_mxfp8_hicache.hooks import HookState
 
 BENCH_GEOMETRIES = ((1, 128, 8), (8, 128, 8), (32, 128, 8), (8, 128, 80))
 """(KV heads, head_dim, layers)."""
@@ -34,6 +35,14 @@ class Step(msgspec.Struct, frozen=True):
     name: str
     status: str
     detail: str
+
+
+class Dispatch(msgspec.Struct, frozen=True):
+    """``check``'s fresh process after ``load_plugins()`` (``cli.print_dispatch``):
+    SGLang's host pool class by device pool dtype, and each plugin hook."""
+
+    chosen: dict[str, str]
+    hooks: tuple[HookState, ...]
 
 
 BENCH_ABLATIONS = ("sm", "fallback", "load_doubling")
@@ -230,9 +239,8 @@ class Cell(msgspec.Struct):
     @property
     def goal(self) -> float:
         """The most MXFP8 may take, as a multiple of payload-only's time."""
-        if self.pages >= L3_GOAL_FROM_PAGES:
-            return L3_GOAL_RATIO
-        return L3_SMALL_BATCH_GOAL_RATIO
+        small = self.pages < L3_GOAL_FROM_PAGES
+        return L3_SMALL_BATCH_GOAL_RATIO if small else L3_GOAL_RATIO
 
     def missed(self) -> list[str]:
         """The directions over this batch's goal."""

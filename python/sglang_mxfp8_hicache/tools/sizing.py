@@ -27,15 +27,11 @@ from typing import Any
 
 import msgspec
 
-from sglang_mxfp8_hicache.geometry import (
-    FORMATS,
-    INTERLEAVED_PAGE_SIZE,
-    MXFP8,
-    ScaleFormat,
-)
+from sglang_mxfp8_hicache import geometry
+from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8, ScaleFormat
 from sglang_mxfp8_hicache.refusals import HiCacheFlags, PageShape, Refused, plan_page
 
-PAGE_SIZE = INTERLEAVED_PAGE_SIZE
+PAGE_SIZE = geometry.INTERLEAVED_PAGE_SIZE
 """MXFP8's page size, and the default for the others."""
 SMALLEST_SCALE_BLOCK = min(f.sf_block for f in FORMATS.values())
 SCALED_HEAD_DIMS = "a multiple of the scale block: " + ", ".join(
@@ -47,14 +43,10 @@ HICACHE_RATIO = 2.0
 """SGLang's ``--hicache-ratio`` when it is not given."""
 MODEL_BOUNDS = {"layers": 4096, "kv_heads": 4096, "head_dim": 8192}
 """The most a pool's count can be: ten times what released models have."""
-LAYERS_FIELD = "num_hidden_layers"
 TEXT_SUB_CONFIGS = ("thinker_config", "llm_config", "language_config", "text_config")
 """Where a multimodal config keeps its language model's, as SGLang looks for it."""
-ERROR_TEXT_CHARS = 300
-"""The most of SGLang's own complaint an error line quotes, cut between words."""
 HOST_MEMORY_RESERVE_BYTES = 10 << 30
-"""SGLang's ``HICACHE_HOST_MEMORY_RESERVE_BYTES``: host memory its HiCache
-budget leaves to the rest of the server."""
+"""SGLang's ``HICACHE_HOST_MEMORY_RESERVE_BYTES``, kept out of its HiCache budget."""
 MAX_NODE_HOST_BYTES = 64 << 40
 """More host tier than any one server holds: a typo in the device tokens or
 the ratio."""
@@ -154,7 +146,7 @@ def read_model(
     except SizingError as exc:
         raise SizingError(f"{config_file}: {exc}") from None
     except Exception as exc:  # SGLang's and transformers' own complaints
-        said = textwrap.shorten(str(exc), ERROR_TEXT_CHARS, placeholder=" ...")
+        said = textwrap.shorten(str(exc), 300, placeholder=" ...")  # between words
         raise SizingError(
             f"{config_file}: SGLang's ModelConfig cannot read it "
             f"({type(exc).__name__}: {said})"
@@ -173,17 +165,16 @@ def _without_weight_quantization(config: dict) -> dict:
 def _check_layer_count(text_config: Any, config: dict) -> None:
     """Refuses a layer count that ``config`` (the JSON as written) does not
     give, at its top or in a text sub-config, or that is not positive."""
-    field = type(text_config).attribute_map.get(LAYERS_FIELD, LAYERS_FIELD)
+    layers = "num_hidden_layers"
+    field = type(text_config).attribute_map.get(layers, layers)
 
-    def gives(config: dict) -> bool:
-        subs = (config.get(key) for key in TEXT_SUB_CONFIGS)
-        return field in config or any(isinstance(s, dict) and gives(s) for s in subs)
+    def gives(config: object) -> bool:
+        if not isinstance(config, dict):
+            return False
+        return field in config or any(gives(config.get(k)) for k in TEXT_SUB_CONFIGS)
 
     if not gives(config):
-        raise SizingError(
-            f"{field} is missing: give the model's layer count (transformers "
-            "would size it with its own default)"
-        )
+        raise SizingError(f"{field} is missing: give the model's layer count")
     _positive_int(getattr(text_config, field), field)
 
 
