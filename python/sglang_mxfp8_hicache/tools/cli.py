@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import msgspec
 
 from sglang_mxfp8_hicache import __version__, settings
-from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
+from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError as ConfigError
 from sglang_mxfp8_hicache.geometry import FORMATS, MXFP8_SCALE_BLOCK
 from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
 from sglang_mxfp8_hicache.tools import results, sizing
@@ -194,10 +194,7 @@ def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> results.Step:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    try:
-        settings.current()
-    except BlockScaledHiCacheConfigError as exc:
-        raise UsageError(str(exc)) from None
+    settings.current()  # a bad variable: one line, before any step
     fresh = functools.cache(_fresh_process)  # one process for both of its steps
     checks = [
         ("sglang version", _check_version),
@@ -736,11 +733,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ONE_LINE_ERRORS = (UsageError, sizing.SizingError, BenchFailed, ConfigError)
+"""What ends a command in one line (a bad setting, a refused setup included)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, sizing.SizingError, BenchFailed) as exc:
+    except ONE_LINE_ERRORS as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, BenchFailed) else 2
 
