@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> None:
             install_stack_emulation(monkeypatch)
         with contextlib.ExitStack() as stack:
             fresh = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-l3-"))
+            if args.init_file is None:  # one rank: its gloo store goes with the run
+                work = stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-"))
+                args.init_file = os.path.join(work, "rendezvous")
             mooncake = None
             if args.l3 == "mooncake" and args.l3_config is None:
                 from testkit.mooncake_loopback import MooncakeLoopback
