@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import threading
 
@@ -55,7 +56,9 @@ def main() -> None:
     with (
         pytest.MonkeyPatch.context() as monkeypatch,
         tempfile.TemporaryDirectory() as l3,
+        tempfile.TemporaryDirectory() as work,
     ):
+        args.init_file = os.path.join(work, "rendezvous")  # gloo's, removed with it
         if device == "cpu":
             from testkit.kernel_emulation import install_stack_emulation
 
