@@ -94,16 +94,39 @@ Loop = Callable[[int], None]
 
 
 def beside_loops(device) -> dict[str, Loop]:
-    """The main stream's work beside a transfer (``results.BESIDE_LOOPS``): ``n``
-    bf16 4096^3 GEMMs (every SM, wave after wave), or ``n`` adds over 256 MiB."""
-    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    """The main stream's work beside a transfer (``results.BESIDE_LOOPS``), ``n``
+    rounds of: a bf16 4096^3 GEMM (every SM, wave after wave); an add over
+    256 MiB; a Llama-8B-like decoder layer's GEMMs at 64 tokens and a read of
+    512 MiB of KV (``decode``), or its GEMMs at 4096 tokens (``prefill``)."""
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    a = torch.randn(4096, 4096, **bf16)
     b, c = torch.randn_like(a), torch.empty_like(a)
     x = torch.zeros(1 << 26, dtype=torch.int32, device=device)
     y = torch.empty_like(x)
+    # QKV (32 + 2 x 8 heads of 128), O, gate and up, down: hidden 4096, MLP 14336.
+    weights = [torch.randn(k, m, **bf16) for k, m in LAYER_GEMMS]
+    inputs = {
+        t: [torch.randn(t, k, **bf16) for k, _ in LAYER_GEMMS] for t in (64, 4096)
+    }
+    kv = torch.zeros(256 << 20, **bf16)
+
+    def layer(tokens: int, n: int) -> None:
+        for _ in range(n):
+            for x_in, w in zip(inputs[tokens], weights, strict=True):
+                torch.matmul(x_in, w)
+            if tokens < 4096:
+                kv.sum()
+
     return {
         "gemm": lambda n: [torch.matmul(a, b, out=c) for _ in range(n)],
         "hbm": lambda n: [torch.add(x, 1, out=y) for _ in range(n)],
+        "decode": functools.partial(layer, 64),
+        "prefill": functools.partial(layer, 4096),
     }
+
+
+LAYER_GEMMS = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))
+"""(in, out) of a Llama-8B-like layer's GEMMs: QKV, O, gate and up, down."""
 
 
 GATE_CYCLES = 6_000_000

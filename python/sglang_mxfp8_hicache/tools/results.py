@@ -47,7 +47,7 @@ class Dispatch(msgspec.Struct, frozen=True):
 
 BENCH_ABLATIONS = ("sm", "fallback", "load_doubling")
 """What ``bench --ablations`` takes (``ablations.ABLATIONS``)."""
-BESIDE_LOOPS = ("gemm", "hbm")
+BESIDE_LOOPS = ("gemm", "hbm", "decode", "prefill")
 """What ``bench --beside`` runs on the main stream (``bench.beside_loops``)."""
 
 
@@ -118,7 +118,9 @@ GOALS = (
     Goal("loop", 1.10, direction="load", beside=True, loop="gemm"),
     Goal("loop", 1.03, beside=True, loop="hbm"),
     Goal("loop", 0.02, beside=True, loop_over="sglang"),
-    Goal("raw", 1.10, pages=16, beside=True),
+    Goal("raw", 1.15, pages=16, direction="load", beside=True),
+    Goal("raw", 1.5, up_to=1, direction="load", beside=True),
+    Goal("raw", 1.2, pages=16, direction="backup", beside=True),
 )
 """What ``bench --check`` holds every cell to (docs/benchmarks.md)."""
 
