@@ -1367,6 +1367,12 @@ def test_controller_attach_round_trip_detach(l3, request):
     assert result.payload_restored and result.scales_restored, result
     assert result.dequantized_max_diff == 0.0, result
     assert result.untouched_pages_kept, result
+    # Counted by the pool (metrics): a load's layer groups of 4 MiB and more
+    # went through device staging; file: the last page cut short is a miss.
+    assert verdict.moved["copy_engines/load"][0] > 0, verdict.moved
+    if l3 == "file":
+        assert result.refetched_tokens == tokens - PAGE_SIZE, result
+        assert result.missed == {"wrong_size": 1}, result
 
 
 @on_cpu

@@ -53,8 +53,10 @@ from sglang_mxfp8_hicache.tools.pools import (
     fill_random,
     host_page_rows,
 )
+from testkit import metrics as counted
 from testkit import script
 from testkit.command import interrupt_on_sigterm
+from testkit.e2e_names import L3_BACKENDS, MODES, SETUPS
 from testkit.mooncake_loopback import HOST, free_ports
 from testkit.pools import device_buffers, synchronize
 
@@ -62,7 +64,6 @@ LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 4, 8, 16, 128
 # Different lengths, one a whole number of pages, the others not.
 SEQ_LENS = (3 * PAGE, 2 * PAGE + 37, PAGE + 5, 300)
 DEVICE_PAGES = 32
-MODES = ("ours", "sglang", "plain")
 DRAFTS = 2
 HYBRID_LAYERS, HYBRID_FULL_LAYERS = 8, (3, 7)
 HYBRID_ATTENTION = dict(
@@ -83,7 +84,6 @@ MAMBA_SHAPE = dict(
     state_size=16,
     conv_kernel=4,
 )
-L3_BACKENDS = ("file", "hf3fs", "nixl", "mooncake", "seaweedfs", "dynamic")
 L3_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_L3_CONFIG"
 """The JSON of --hicache-storage-backend-extra-config for ``--l3``: needed for
 mooncake and seaweedfs (a running service) and dynamic (the class); file,
@@ -172,6 +172,10 @@ class L3Trip(Restore, kw_only=True, forbid_unknown_fields=True):
     stored_tokens: int
     hit_tokens: int
     fetched_tokens: int
+    refetched_tokens: int | None = None
+    """``file``: tokens fetched again once the last page's file is cut short."""
+    missed: dict[str, float] = {}
+    """The pool's L3 misses by reason (``metrics``) over that fetch."""
 
 
 class Verdict(Restore, kw_only=True, forbid_unknown_fields=True):
@@ -191,6 +195,8 @@ class Verdict(Restore, kw_only=True, forbid_unknown_fields=True):
     write_path: str = ""
     quantized_within_error: bool = False
     restored_sha256: str = ""
+    moved: dict[str, list[float]] = {}
+    """Pages and bytes the ``kv`` pool's counters grew by, by "path/direction"."""
     l3: L3Trip | None = None
 
     @property
@@ -621,6 +627,7 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
     the controller, clobber the device and load it into other pages, judge
     what came back; with ``l3``, then to L3 and back (``_exercise_l3``)."""
     gen = torch.Generator(device=device).manual_seed(1234)
+    moved_before = counted.moved("kv")
     src = _Sequences(stack)
     write_path, bf16 = _write_kv(stack, src, RadixAttention, gen)
     fill_random(stack.state, gen)
@@ -646,6 +653,8 @@ def _exercise(stack: Stack, RadixAttention, l3, device: str) -> dict:
     else:
         for host in kv_hosts:
             stack.controller.evict_host(host)
+    moved = counted.grown(moved_before, counted.moved("kv"))
+    verdict["moved"] = {"/".join(key): list(grew) for key, grew in moved.items()}
     return verdict
 
 
@@ -976,8 +985,11 @@ def _exercise_l3(backend, controller, host_indices, load) -> dict:
     judged = load([{"kv": h} for h in fetched_host.split(lengths)])
     judged.pop("restored")
     controller.evict_host(fetched_host)
+    refetched, missed = _refetch_cut_short(backend, controller, hashes, tokens)
     controller.detach_storage_backend()
     return {
+        "refetched_tokens": refetched,
+        "missed": missed,
         "backend": backend,
         "format_tag": host_pool.storage_format_tag,
         "refused_attach": refused,
@@ -988,6 +1000,21 @@ def _exercise_l3(backend, controller, host_indices, load) -> dict:
         "fetched_tokens": fetched_tokens,
         **judged,
     }
+
+
+def _refetch_cut_short(backend, controller, hashes, tokens):
+    """``file``: the last page's file cut to half, fetched again through the
+    controller. The tokens that arrived, and the misses counted meanwhile."""
+    from sglang_mxfp8_hicache.guards import file_page_path
+
+    if backend != "file":
+        return None, {}
+    path = file_page_path(controller.storage_backend, hashes[-1])
+    os.truncate(path, os.path.getsize(path) // 2)
+    before = counted.missed("kv")
+    _, fetched_host, fetched_tokens = _fetch(controller, tokens)
+    controller.evict_host(fetched_host)
+    return fetched_tokens, counted.grown(before, counted.missed("kv"))
 
 
 def _attach_l3(controller, backend: str) -> tuple[str, bool]:
@@ -1072,7 +1099,7 @@ the FP4 quant method to ``HybridLinearKVPool``). The hybrids have 8 layers,
 full attention at 3 and 7, as their models interleave. nvfp4's quantizer needs
 Blackwell: elsewhere its pages are random bytes (the verdict's ``write_path``
 says so)."""
-SETUPS = tuple(STACK_BUILDERS)
+assert tuple(STACK_BUILDERS) == SETUPS, (tuple(STACK_BUILDERS), SETUPS)
 
 
 def _quant_method(pool):

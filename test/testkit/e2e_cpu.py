@@ -21,6 +21,7 @@ import msgspec
 
 from testkit import script
 from testkit.command import interrupt_on_sigterm
+from testkit.e2e_names import L3_BACKENDS, MODES, SETUPS
 
 if TYPE_CHECKING:
     from testkit.e2e import Verdict
@@ -101,11 +102,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("l3", nargs="?", metavar="L3_BACKEND", help="then through L3")
     args = parser.parse_args(argv)
     interrupt_on_sigterm()
-    import pytest
-
-    from testkit.e2e import L3_BACKENDS, MODES, SETUPS, run_setups
-    from testkit.kernel_emulation import install_stack_emulation
-
     setups = args.setups.split(",")
     if args.mode not in MODES:
         parser.error(f"argument MODE: {args.mode!r} is not one of {', '.join(MODES)}")
@@ -115,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"argument L3_BACKEND: {args.l3!r} is not one of {', '.join(L3_BACKENDS)}"
         )
+    import pytest
+
+    from testkit.e2e import run_setups
+    from testkit.kernel_emulation import install_stack_emulation
+
     with pytest.MonkeyPatch.context() as monkeypatch:
         install_stack_emulation(monkeypatch)
         for verdict in run_setups(args.mode, setups, args.l3, device="cpu"):
