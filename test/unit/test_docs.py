@@ -472,14 +472,28 @@ def test_readme_settings_are_the_variables(monkeypatch):
 
 
 def test_configuration_lists_every_flag_refused():
-    """Every flag the refusal table names has a row, and on the newest served
-    release every flag of the table is one of SGLang's server arguments."""
-    from sglang_mxfp8_hicache import releases
-    from sglang_mxfp8_hicache.refusals import REFUSALS
+    """Every flag the package reads (the refusal table's, the flags the pool
+    plans from, those the plugin reads at launch) has a row, and on the
+    newest served release every flag of the table is one of SGLang's server
+    arguments."""
+    import inspect
+
+    from sglang_mxfp8_hicache import plugin, releases
+    from sglang_mxfp8_hicache.refusals import REFUSALS, HiCacheFlags
 
     rows = _table(_section((DOCS / "configuration.md").read_text(), "## SGLang flags"))
     flags = {flag for row in rows for flag in _code(row[0])}
     assert {r.flag for r in REFUSALS} <= flags
+    readers = (HiCacheFlags.from_server_args, plugin._block_scaled_hicache)
+    read = {
+        name
+        for reader in readers
+        for name in re.findall(
+            r"(?:args|view)\.(\w+)|\(view, \"(\w+)\"", inspect.getsource(reader)
+        )
+    }
+    read = {"--" + (a or b).replace("_", "-") for a, b in read}
+    assert read <= flags, read - flags
     if releases.sglang_version() != releases.NEWEST:
         return
     import dataclasses
