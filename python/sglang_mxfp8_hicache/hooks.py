@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pkgutil
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
-from sglang_mxfp8_hicache import releases, storage
+from sglang_mxfp8_hicache import releases
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 
 SERVER_ARGS_HOOK_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
@@ -26,7 +26,7 @@ class Hook(NamedTuple):
     if_missing: str
     pages_wrong: bool = False
     """Pages could restore wrong without it: the pool refuses to be built."""
-    hook_type: str = "AROUND"
+    hook_type: Literal["AROUND", "AFTER"] = "AROUND"
 
     def function(self) -> Callable[..., Any]:
         return pkgutil.resolve_name(self.function_name)
@@ -44,6 +44,8 @@ class HookState(msgspec.Struct, frozen=True):
 
 def served_hooks() -> list[Hook]:
     """Every hook on a served release (the plugin registers them in order)."""
+    from sglang_mxfp8_hicache import storage
+
     mem, host, hybrid = "sglang.srt.mem_cache.", "pool_host.mha.", "hybrid_cache."
     ours = "sglang_mxfp8_hicache.plugin:"
     staging_late = "staging taken after SGLang sized the KV pool, beside its own"
@@ -107,8 +109,7 @@ def hook_states() -> list[HookState]:
 
     def applied(hook: Hook) -> bool:
         registered = HookRegistry._hooks.get(hook.target, ())
-        function = hook.function_name.rsplit(":", 1)[1]
-        ours = any(getattr(fn, "__name__", "") == function for _, fn, _ in registered)
+        ours = any(fn is hook.function() for _, fn, _ in registered)
         return ours and hook.target in HookRegistry._patched
 
     return [

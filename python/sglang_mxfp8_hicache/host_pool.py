@@ -120,7 +120,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             **base,
         )
         self.storage_format_tag = self.host_page.storage_format_tag()
-        self.metrics.staging_reserved(self._mover.staging_bytes)
+        self.metrics.staging_reserved(transfer.staging_held())
         page, size = self.host_page, self.size
         scale_bytes = size * page.scale_bytes_per_token
         seal_bytes = self.page_num * page.seal_bytes
@@ -277,7 +277,9 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             )
             self._count_moved(path, False, host_indices, layers)
 
-    def _count_moved(self, path: str, to_host: bool, host_indices, layers: int):
+    def _count_moved(
+        self, path: str, to_host: bool, host_indices: torch.Tensor, layers: int
+    ) -> None:
         pages = len(host_indices) // self.page_size
         nbytes = pages * layers * self._page_layer_bytes
         self.metrics.moved(path, to_host, pages, nbytes)

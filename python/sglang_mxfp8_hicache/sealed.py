@@ -12,6 +12,7 @@ pages SGLang frees or reads again.
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 from collections.abc import Callable, Sequence
@@ -70,8 +71,8 @@ def leading_good_pages(
     if not wrong:
         return pages
     first = wrong[0]
-    for page in wrong:
-        counts.l3_missed(page.reason, 1)
+    for reason, missed in collections.Counter(p.reason for p in wrong).items():
+        counts.l3_missed(reason, missed)
     counts.l3_missed("behind_a_miss", pages - first.page - len(wrong))
     found = (
         "unsealed"

@@ -120,11 +120,6 @@ class PageChunkMover:
         """Moves the pages; which of ``metrics.PATHS`` they took."""
         raise NotImplementedError
 
-    @property
-    def staging_bytes(self) -> int:
-        """Device staging this mover's process holds (shared by its pools)."""
-        return 0
-
     def raise_if_refused(self) -> None:
         """Raises if an earlier launch refused a page."""
 
@@ -232,6 +227,11 @@ def staging_ring(
         module.create_lanes(handle, COPY_LANES)
     _rings[key] = StagingRing(buffer, int(handle))
     return _rings[key]
+
+
+def staging_held() -> int:
+    """Bytes of every staging ring this process holds."""
+    return sum(ring.buffer.numel() for ring in _rings.values() if ring is not None)
 
 
 def reserve_staging(device: torch.device, staging_bytes: int) -> int:

@@ -1348,7 +1348,9 @@ def test_controller_attach_round_trip_detach(l3, request):
     host pages go to L3 through the backup thread, are evicted and their host
     bytes overwritten, come back through the hit query and the prefetch
     thread, are loaded to the device (payload and scales exact, untouched
-    pages kept), and the backend is detached."""
+    pages kept), and the backend is detached. The pool's counters saw loads
+    through device staging; on ``file``, the last page's file cut short and
+    fetched again is one ``wrong_size`` miss."""
     from testkit.e2e_cpu import run_cpu
 
     name, config = l3, None

@@ -3,9 +3,9 @@ exits; a bad flag or value is refused with exit 2 and one ``error:`` line
 naming it, no traceback, before any work and with nothing created; SIGTERM
 stops a loopback service as Ctrl-C does, its folder, sockets and server gone.
 
-Most refusals come before torch or SGLang is imported. The soak's come after
-torch (its package imports it), and ``e2e_cpu``'s unknown mode or setup and
-``e2e`` itself after SGLang: the names are ``testkit/e2e.py``'s tables.
+Most refusals come before torch or SGLang is imported (``e2e_cpu`` checks
+its names against ``testkit/e2e_names.py``). The soak's come after torch (its
+package imports it), and ``e2e.py``'s skip without CUDA after SGLang.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+from sglang_mxfp8_hicache.metrics import PREFIX
+from sglang_mxfp8_hicache.settings import Settings
 from testkit import ROOT
 
 _SCHEDULER = """
@@ -35,6 +37,7 @@ host.backup_from_device_all_layer(device_pool, pages, pages + 128, "kernel")
 
 def test_counters_reach_sglangs_multiprocess_collector(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+    from prometheus_client.parser import text_string_to_metric_families
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     subprocess.run(
@@ -46,12 +49,17 @@ def test_counters_reach_sglangs_multiprocess_collector(tmp_path):
     )
     registry = CollectorRegistry()  # as SGLang's add_prometheus_middleware
     multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
-    exposed = generate_latest(registry).decode()
-    labels = 'direction="backup",path="sm_kernel",pool="kv",tp_rank="0"'
-    pages = f"sglang_mxfp8_hicache:moved_pages_total{{{labels}}} 3.0"
-    assert pages in exposed, exposed
-    missed = (
-        'sglang_mxfp8_hicache:l3_missed_pages_total{pool="kv",reason="seal_mismatch"'
-    )
-    assert missed in exposed
-    assert 'sglang_mxfp8_hicache:staging_reserved_bytes{tp_rank="0"}' in exposed
+    exposed = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    pool = (("pool", "kv"), ("tp_rank", "0"))
+    moved = (("direction", "backup"), ("path", "sm_kernel"), *pool)
+    assert exposed[PREFIX + "moved_pages_total", moved] == 3
+    page_bytes = 2 * 2 * (128 * 2 * 128 + 128 * 2 * 4)  # K and V, 2 layers
+    assert exposed[PREFIX + "moved_bytes_total", moved] == 3 * page_bytes
+    missed = (*pool[:1], ("reason", "seal_mismatch"), *pool[1:])
+    assert exposed[PREFIX + "l3_missed_pages_total", missed] == 0
+    staging = exposed[PREFIX + "staging_reserved_bytes", (("tp_rank", "0"),)]
+    assert staging == Settings.from_environ({}).staging_bytes

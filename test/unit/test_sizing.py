@@ -119,6 +119,18 @@ def test_sglang_complaint_is_cut_between_words(tmp_path, capsys, monkeypatch):
     assert set(said.removesuffix(" ...)\n").split()) == {"abcdefghij"}, err
 
 
+@pytest.mark.parametrize(
+    "text, cut",
+    [
+        ("short", "short"),
+        ("Unknown method: " + "x" * 400, "Unknown method: " + "x" * 284 + " ..."),
+        ("y" * 400, "y" * 300 + " ..."),
+    ],
+)
+def test_a_long_word_is_cut_not_dropped(text, cut):
+    assert sizing.between_words(text, 300) == cut
+
+
 def test_config_file_of_any_name_reads_as_its_directory(tmp_path):
     path = _config_dir(tmp_path, "GptOssConfig", "GptOssForCausalLM")
     renamed = tmp_path / "gpt-oss.json"

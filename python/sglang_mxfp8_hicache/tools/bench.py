@@ -99,11 +99,8 @@ def beside_loops(device) -> dict[str, Loop]:
     256 MiB; a Llama-8B-like decoder layer's GEMMs at 64 tokens and a read of
     512 MiB of KV (``decode``), or its GEMMs at 4096 tokens (``prefill``)."""
     bf16 = dict(device=device, dtype=torch.bfloat16)
-    a = torch.randn(4096, 4096, **bf16)
-    b, c = torch.randn_like(a), torch.empty_like(a)
-    x = torch.zeros(1 << 26, dtype=torch.int32, device=device)
-    y = torch.empty_like(x)
-    # QKV (32 + 2 x 8 heads of 128), O, gate and up, down: hidden 4096, MLP 14336.
+    a, b, c = (torch.randn(4096, 4096, **bf16) for _ in range(3))
+    x, y = (torch.zeros(1 << 26, dtype=torch.int32, device=device) for _ in "xy")
     weights = [torch.randn(k, m, **bf16) for k, m in LAYER_GEMMS]
     inputs = {
         t: [torch.randn(t, k, **bf16) for k, _ in LAYER_GEMMS] for t in (64, 4096)
@@ -126,7 +123,8 @@ def beside_loops(device) -> dict[str, Loop]:
 
 
 LAYER_GEMMS = ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096))
-"""(in, out) of a Llama-8B-like layer's GEMMs: QKV, O, gate and up, down."""
+"""(in, out) of a Llama-8B-like layer's GEMMs: QKV (32 + 2 x 8 heads of 128),
+O, gate and up, down."""
 
 
 GATE_CYCLES = 6_000_000

@@ -19,7 +19,6 @@ import contextlib
 import functools
 import json
 import tempfile
-import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,11 +145,18 @@ def read_model(
     except SizingError as exc:
         raise SizingError(f"{config_file}: {exc}") from None
     except Exception as exc:  # SGLang's and transformers' own complaints
-        said = textwrap.shorten(str(exc), 300, placeholder=" ...")  # between words
+        said = between_words(str(exc), 300)
         raise SizingError(
             f"{config_file}: SGLang's ModelConfig cannot read it "
             f"({type(exc).__name__}: {said})"
         ) from None
+
+
+def between_words(text: str, limit: int) -> str:
+    """``text`` cut before ``limit`` characters at a space in its last quarter,
+    else at ``limit`` (a long word or path keeps its start), marked " ..."."""
+    cut = text.rfind(" ", limit * 3 // 4, limit)
+    return text if len(text) <= limit else text[: cut if cut > 0 else limit] + " ..."
 
 
 def _without_weight_quantization(config: dict) -> dict:
