@@ -153,8 +153,9 @@ def read_model(
 
 
 def between_words(text: str, limit: int) -> str:
-    """``text`` cut before ``limit`` characters at a space in its last quarter,
-    else at ``limit`` (a long word or path keeps its start), marked " ..."."""
+    """``text`` on one line, cut before ``limit`` characters at a space in its
+    last quarter, else at ``limit`` (a long path keeps its start), marked " ..."."""
+    text = " ".join(text.split())  # one line
     cut = text.rfind(" ", limit * 3 // 4, limit)
     return text if len(text) <= limit else text[: cut if cut > 0 else limit] + " ..."
 
