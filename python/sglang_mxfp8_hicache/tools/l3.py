@@ -26,7 +26,7 @@ LOCAL_BACKENDS = ("file", "hf3fs", "nixl")
 """Backends that run in this process with their data in a local directory."""
 
 FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
-"""Overrides ``file_storage_path``; local configs clear it."""
+"""Overrides ``file_storage_path`` (0.5.21 reads only it); set to the same folder."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def local_backend(
       SGLang's default O_DIRECT, without its cleaner thread.
     """
     if backend == "file":
-        return BackendConfig({"file_storage_path": root}, {FILE_DIR_ENV: None})
+        return BackendConfig({"file_storage_path": root}, {FILE_DIR_ENV: root})
     if backend == "hf3fs":
         config = os.path.join(root, "hf3fs.json")
         settings = dict(file_path_prefix=os.path.join(root, "kv"), numjobs=2)
