@@ -120,7 +120,7 @@ class MHATokenToKVPoolMXFP8Host(MHATokenToKVPoolHost):
             **base,
         )
         self.storage_format_tag = self.host_page.storage_format_tag()
-        self.metrics.staging_reserved(transfer.staging_held())
+        self.metrics.staging_reserved(transfer.ring_bytes())
         page, size = self.host_page, self.size
         scale_bytes = size * page.scale_bytes_per_token
         seal_bytes = self.page_num * page.seal_bytes

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-
-if TYPE_CHECKING:
-    pass
 
 SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
 """The releases this package serves (``pyproject.toml`` only bounds SGLang

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,9 +229,10 @@ def staging_ring(
     return _rings[key]
 
 
-def staging_held() -> int:
-    """Bytes of every staging ring this process holds."""
-    return sum(ring.buffer.numel() for ring in _rings.values() if ring is not None)
+def ring_bytes(rings: Iterable[StagingRing | None] | None = None) -> int:
+    """Bytes of ``rings``, or of every staging ring this process holds."""
+    rings = _rings.values() if rings is None else rings
+    return sum(ring.buffer.numel() for ring in rings if ring is not None)
 
 
 def reserve_staging(device: torch.device, staging_bytes: int) -> int:
@@ -239,10 +240,9 @@ def reserve_staging(device: torch.device, staging_bytes: int) -> int:
     if device.type != "cuda" or not staging_bytes:
         return 0
     module = page_chunks_module(16)
-    rings = [
+    return ring_bytes(
         staging_ring(device, module, staging_bytes, to_host=d) for d in (True, False)
-    ]
-    return sum(ring.buffer.numel() for ring in rings if ring is not None)
+    )
 
 
 @dataclass(frozen=True)
@@ -285,17 +285,12 @@ class StagedPageChunks(PageChunkKernel):
             for to_host in (True, False)
         }
 
-    @property
-    def staging_bytes(self) -> int:
-        rings = (ring for ring in self._rings.values() if ring is not None)
-        return sum(ring.buffer.numel() for ring in rings)
-
     def describe(self, backup: StagedPrepared) -> str:
         rings = [ring for ring in self._rings.values() if ring is not None]
         said = (
             f"; transfers of {self.min_bytes >> 20} MiB or more with host "
             "indices on the CPU go through device staging and the copy engines "
-            f"({self.staging_bytes >> 20} MiB on this GPU, "
+            f"({ring_bytes(rings) >> 20} MiB on this GPU, "
             "shared by the process's block-scaled host pools; "
             "SGLANG_MXFP8_HICACHE_STAGING_MB)"
         )

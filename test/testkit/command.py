@@ -1,6 +1,7 @@
 """What every script in ``test/`` shares as a command: argparse types that
 refuse a bad value in one line naming its flag (exit 2), before any work or
-heavy import, and SIGTERM taken as Ctrl-C.
+heavy import (the numbers are the CLI's own types), and SIGTERM taken as
+Ctrl-C.
 
 Light on purpose: a script imports this, parses its flags, and only then
 imports torch or SGLang.
@@ -13,6 +14,13 @@ import os
 import signal
 from types import FrameType
 
+from sglang_mxfp8_hicache.tools.cli import (
+    comma_list,
+    non_negative_int,
+    number,
+    positive_int,
+)
+
 
 def interrupt_on_sigterm() -> None:
     """SIGTERM raises ``KeyboardInterrupt`` in the main thread, as Ctrl-C does,
@@ -24,40 +32,9 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def positive_int(text: str) -> int:
-    """A whole number above 0."""
-    return _at_least(text, 1)
-
-
-def positive_float(text: str) -> float:
-    """A number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text}: above 0")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """Comma-separated whole numbers, each above 0."""
-    return [_at_least(item, 1) for item in text.split(",")]
-
-
-def whole_numbers(text: str) -> list[int]:
-    """Comma-separated whole numbers, each 0 or more."""
-    return [_at_least(item, 0) for item in text.split(",")]
-
-
-def _at_least(text: str, floor: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < floor:
-        raise argparse.ArgumentTypeError(f"{value}: {floor} or more")
-    return value
+positive_float = number(float, 0, above=True)
+positive_ints = comma_list(positive_int, "whole numbers above 0, comma separated")
+whole_numbers = comma_list(non_negative_int, "whole numbers, comma separated")
 
 
 def existing_dir(text: str) -> str:
