@@ -114,14 +114,18 @@ class LoadPlanner:
     def issue(
         self, layer_id: int, host_indices, device_indices, *, is_draft: bool
     ) -> Group | None:
-        """The group to move for ``layer_id``, or None if on its way."""
+        """The group to move for ``layer_id``, or None if on its way; the
+        mover's ``begin_load`` first where a load begins."""
+        host, device = self._indices
+        new = host is not host_indices or device is not device_indices
         if is_draft:
+            if new:  # drafts come after their load's first target layer
+                self._mover.begin_load()
             return self._drafts.get(layer_id)
         if layer_id >= self._target_layers:
             return None
-        host, device = self._indices
-        new = host is not host_indices or device is not device_indices
         if new or layer_id in self._seen:
+            self._mover.begin_load()
             self._indices = (host_indices, device_indices)
             self._plan = self._plan_of(len(host_indices) // self._page_size)
             self._seen, self._issued = set(), set()

@@ -61,7 +61,7 @@ VARIABLES: tuple[Variable, ...] = (
         "disable", _switch, "1, true, yes, on or 0, false, no, off", lambda: False
     ),
     Variable(
-        "staging_mb", _whole(0, 1 << 16), "a whole number of MiB, 0-65536", lambda: 128
+        "staging_mb", _whole(0, 1 << 16), "a whole number of MiB, 0-65536", lambda: 512
     ),
     Variable(
         "seal_threads", _whole(1, 256), "a whole number, 1-256", _default_seal_threads

@@ -120,6 +120,11 @@ class PageChunkMover:
         """Moves the pages; which of ``metrics.PATHS`` they took."""
         raise NotImplementedError
 
+    def begin_load(self) -> None:
+        """A load begins; its groups' ``move`` calls follow. Staged copies of
+        the load start from here on the caller's stream, not each behind the
+        load's earlier groups (``csrc/staged_copies.cuh``)."""
+
     def raise_if_refused(self) -> None:
         """Raises if an earlier launch refused a page."""
 
@@ -141,6 +146,7 @@ def page_chunks_module(vector: int) -> Module:
             ("transfer", f"&sglang_mxfp8_hicache::PageChunkKernel<{args}>::transfer"),
             ("staged_transfer", f"&{staged}::transfer"),
             ("create_lanes", f"&{staged}::create_lanes"),
+            ("begin_load", f"&{staged}::begin_load"),
         ],
     )
 
@@ -303,6 +309,11 @@ class StagedPageChunks(PageChunkKernel):
                 "of up to two thirds of its size)"
             )
         return said
+
+    def begin_load(self) -> None:
+        ring = self._rings[False]
+        if ring is not None:
+            self._module.begin_load(self._all, ring.lanes)
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> StagedPrepared:
         prepared = StagedPrepared(direct=super().prepare(layers))

@@ -43,7 +43,9 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   copies each ``(host offset, staged offset, bytes)`` piece to its host page
   (``host_base`` plus the host page number times ``host_stride``); a load
   copies the pieces in first, then moves the chunks to the device. Host
-  indices are CPU int64, every page checked before anything moves.
+  indices are CPU int64, every page checked before anything moves. A load's
+  copies wait for the caller's stream as it stood at the lanes' last
+  ``begin_load``: a staged load on lanes that never began one fails.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -452,6 +454,10 @@ class PageChunksModule:
         assert 1 <= lanes <= 8, "1 to 8 copy lanes"
         handle[0] = 1
 
+    def begin_load(self, on_device, lanes) -> None:
+        assert lanes, "block-scaled HiCache load: no staging ring"
+        self.kernels.calls.append(("begin_load", self.vector))
+
     def staged_transfer(
         self,
         tables,
@@ -494,6 +500,10 @@ class PageChunksModule:
         host_pages, device_pages = _page_numbers(
             host_indices, device_indices, page_size, what
         )
+        if not to_host:
+            assert ("begin_load", self.vector) in self.kernels.calls, (
+                f"{what}: staged copies with no begin_load to start from"
+            )
         for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
             self.kernels.calls.append(("staged", self.vector))
             hosts = host_pages[first : first + slot_pages]

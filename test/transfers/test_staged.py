@@ -121,11 +121,11 @@ def test_each_slot_keeps_to_its_half_of_the_ring(stride):
 
 @pytest.mark.parametrize("device", ["cpu"], indirect=True)
 def test_staging_budget_is_the_operators(make_pools, monkeypatch):
-    """The pool's rings hold the staging the operator allows (128 MiB unless
+    """The pool's rings hold the staging the operator allows (512 MiB unless
     set), read through the settings; a value it does not accept refuses the
     pool, naming the variable."""
     _, host = make_pools(heads=2, head_dim=128, layers=2, pages=2)
-    assert host.settings.staging_bytes == 128 << 20
+    assert host.settings.staging_bytes == 512 << 20
     monkeypatch.setenv(STAGING, "64")
     monkeypatch.setattr(transfer, "_rings", {})
     settings.current.cache_clear()
@@ -215,12 +215,15 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     """Backup, load, a backup of other bytes to the same host pages, load
     again: on one stream, with the same index tensors and no synchronisation
     between them. Each load restores what the backup just before it saved (a
-    load's copies wait for what came before it on the stream), and the pages
-    backed up stay as they were."""
+    load's copies wait for what came before it on the stream: each load
+    begins once, before its first group, and its groups' copies start from
+    there), and the pages backed up stay as they were."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
     device_pool, host = make_pools(
         heads=8, head_dim=128, layers=layers, pages=pages, host_cls=ring_of(3)
     )
+    calls: list[str] = []
+    host._mover._module = _Recording(host._mover._module, calls)
     tensors = device_buffers(device_pool)
     gen = torch.Generator(device=device).manual_seed(11)
     hosts = page_token_indices(
@@ -234,9 +237,14 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     for _ in range(2):
         fill_random(tensors, gen)
         saved = [r[1 : pages + 1].clone() for r in rows]
+        calls.clear()
         host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
         for layer in range(layers):
             host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
+        # The backup; the load: its start, layer 0 by SM, four staged groups.
+        assert calls == ["staged_transfer", "begin_load", "transfer"] + [
+            "staged_transfer"
+        ] * 4
         restored = [r[pages + 1 : 2 * pages + 1].cpu() for r in rows]
         backed_up = [r[1 : pages + 1].cpu() for r in rows]
         for was, now, source in zip(saved, restored, backed_up, strict=True):
@@ -374,7 +382,7 @@ def test_pool_says_what_goes_through_staging(make_pools, monkeypatch, caplog):
     its pages do not fit a slot, that backups go by SM copies."""
     caplog.set_level("INFO", logger="sglang_mxfp8_hicache.host_pool")
     make_pools(heads=8, head_dim=128, layers=4, pages=2)
-    assert "go through device staging and the copy engines (128 MiB" in caplog.text
+    assert "go through device staging and the copy engines (512 MiB" in caplog.text
     assert "backups excepted" not in caplog.text
     caplog.clear()
     monkeypatch.setenv(STAGING, "1")

@@ -17,9 +17,9 @@ NAMES = [variable.name for variable in VARIABLES]
 def test_defaults(monkeypatch):
     monkeypatch.setattr(settings.os, "sched_getaffinity", lambda pid: set(range(16)))
     assert Settings.from_environ({}) == Settings(
-        disable=False, staging_mb=128, seal_threads=4, l3_chunk_pages=0
+        disable=False, staging_mb=512, seal_threads=4, l3_chunk_pages=0
     )
-    assert Settings.from_environ({}).staging_bytes == 128 << 20
+    assert Settings.from_environ({}).staging_bytes == 512 << 20
 
 
 @pytest.mark.parametrize(("cores", "expected"), [(1, 1), (2, 2), (16, 4)])

@@ -20,7 +20,12 @@
 // Ordering: the kernels run on the caller's stream, the copies on the lanes,
 // joined by events; a call returns with the caller's stream waiting for every
 // copy it issued, so an event recorded on that stream after the call (the
-// controller's completion and per-layer events) covers every byte moved.
+// controller's completion and per-layer events) covers every byte moved. A
+// load's copies start where the caller's stream stood at the load's
+// begin_load: a load issued in layer groups (loads.py) calls it once, before
+// its first group, so no group's copies wait for the scatter kernels of the
+// groups before it (which wait for SMs the forward pass holds); each slot's
+// reuse still waits for the kernel that read it.
 // Host token indices are on the CPU (their page starts give the copies'
 // addresses) and are checked here before anything moves, as are device ones
 // on the CPU; device token indices on the GPU are checked by the kernel, which
@@ -54,7 +59,7 @@ struct CopyLanes {
   cudaStream_t streams[kMaxLanes] = {};
   cudaEvent_t copied[kSlots][kMaxLanes] = {};
   cudaEvent_t kernel_done[kSlots] = {};
-  cudaEvent_t started = {};  // a load's start on the caller's stream
+  cudaEvent_t started = {};  // a load's start on the caller's stream (begin_load)
   std::mutex mutex;
 };
 
@@ -149,6 +154,19 @@ struct StagedPageChunks {
     *static_cast<int64_t*>(handle.data_ptr()) = reinterpret_cast<int64_t>(state);
   }
 
+  // A load begins: the lanes' later copies wait for the work the caller's
+  // stream (on `on_device`'s GPU) holds now, such as the events it waits on.
+  static void begin_load(const tvm::ffi::TensorView on_device, const int64_t lanes_handle) {
+    host::RuntimeCheck(lanes_handle != 0, "block-scaled HiCache load: no staging ring");
+    auto& state = *reinterpret_cast<CopyLanes*>(lanes_handle);
+    std::lock_guard<std::mutex> lock(state.mutex);
+    const cudaStream_t stream = host::LaunchKernel::resolve_device(on_device.device());
+    host::RuntimeDeviceCheck(cudaEventRecord(state.started, stream));
+    for (uint32_t j = 0; j < state.lanes; ++j) {
+      host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.started, 0));
+    }
+  }
+
   // One chunk's copies, spread over the lanes by bytes: lane j takes bytes
   // [j * total / lanes, (j + 1) * total / lanes) of the chunk's copies in order,
   // cut where the share ends.
@@ -196,14 +214,6 @@ struct StagedPageChunks {
     const cudaStream_t stream = host::LaunchKernel::resolve_device(gpu);
     thread_local std::vector<Copy> copies;
     bool used[kSlots] = {};
-    if constexpr (!kToHost) {
-      // A load's copies start where the caller's stream is (after the events
-      // it waits on), as its kernels would.
-      host::RuntimeDeviceCheck(cudaEventRecord(state.started, stream));
-      for (uint32_t j = 0; j < state.lanes; ++j) {
-        host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.started, 0));
-      }
-    }
     for (int64_t first = 0; first < num_pages; first += slot_pages) {
       const int64_t count = std::min(num_pages - first, slot_pages);
       const uint32_t slot = state.next_slot;
@@ -291,7 +301,8 @@ struct StagedPageChunks {
   }
 
   // Moves whole pages of the layers in `tables` between host pages and device
-  // pages through the staging ring of `lanes` (create_lanes).
+  // pages through the staging ring of `lanes` (create_lanes); a load's copies
+  // start after the lanes' last begin_load.
   // tables, refused, parts, heads: as PageChunkKernel::transfer, with the
   //   staged page 0 of the ring as the host side (its bases) and
   //   `stage_stride` as its page stride;
