@@ -242,9 +242,10 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
         for layer in range(layers):
             host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
         # The backup; the load: its start, layer 0 by SM, four staged groups.
-        assert calls == ["staged_transfer", "begin_load", "transfer"] + [
-            "staged_transfer"
-        ] * 4
+        assert (
+            calls
+            == ["staged_transfer", "begin_load", "transfer"] + ["staged_transfer"] * 4
+        )
         restored = [r[pages + 1 : 2 * pages + 1].cpu() for r in rows]
         backed_up = [r[1 : pages + 1].cpu() for r in rows]
         for was, now, source in zip(saved, restored, backed_up, strict=True):
