@@ -128,3 +128,9 @@ def test_bench_layer0_goal():
     assert Row(8, 128, 80, 1, "load", whole, slow).meets_goal()
     later = {"ours": 0.12, "sglang": 0.11, "payload": 0.1}
     assert not Row(8, 128, 80, 1, "load", whole, later).meets_goal()
+    # Beside a loop, from 16 pages: at most 1.3x a raw copy of layer 0's bytes.
+    beside = {"ours": 0.13, "sglang": 0.2, "payload": 0.12, "raw": 0.1}
+    row = Row(8, 128, 80, 16, "load", whole, beside, beside="gemm")
+    assert row.missed(layer0=True) == []
+    row.layer0_ms["ours"] = 0.131
+    assert [g.label() for g in row.missed(layer0=True)] == ["raw<=1.3@16p"]

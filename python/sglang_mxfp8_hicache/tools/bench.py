@@ -4,7 +4,8 @@ For each geometry (KV heads x head_dim x layers), setup (:class:`Setup`) and
 batch of pages, both directions are timed with CUDA events (the median after
 a warm-up) for ``ours``; ``sglang``, SGLang's own MXFP8 host pool;
 ``payload``, SGLang's MHA host pool moving the payload alone; ``raw``, one
-pinned ``copy_`` of payload plus scales; and the ablations asked for. A backup
+pinned ``copy_`` of payload plus scales (a load's, layer 0's share first); and
+the ablations asked for. A backup
 is one ``backup_from_device_all_layer`` call, a load one call per layer (draft
 depth ``d`` right after target layer ``d``, as SGLang's controller issues
 them), with indices where the controller puts them; loads also until layer
@@ -243,6 +244,13 @@ def _transfers(
         draft_depths_after(layer, layers, len(drafts)) for layer in range(layers)
     ]
 
+    def raw_load(mark) -> None:
+        """Layer 0's share of the bytes first (its own time), then the rest."""
+        first = pages * bytes_per_page // (layers + len(drafts))
+        raw_device[:first].copy_(raw_host[:first], non_blocking=True)
+        mark()
+        raw_device[first:].copy_(raw_host[first:], non_blocking=True)
+
     def load(host) -> Transfer:
         host_tokens_gpu = indices(host, backup=False)
 
@@ -272,7 +280,7 @@ def _transfers(
         },
         "load": {
             **{name: load(host) for name, host in hosts.items()},
-            "raw": lambda mark: raw_device.copy_(raw_host, non_blocking=True),
+            "raw": raw_load,
         },
     }
 
@@ -401,7 +409,7 @@ def bench_geometry(
                 # Every column in table order, None where its class refused.
                 columns = [*hosts, "raw"]
                 ms = {name: ms.get(name) for name in columns}
-                layer0 = {name: layer0.get(name) for name in hosts} if layer0 else {}
+                layer0 = {n: layer0.get(n) for n in columns} if layer0 else {}
                 if beside is not None:
                     loop_ratio = {name: loop_ratio.get(name) for name in columns}
                 cell = (pages, direction, ms, layer0, setup.name, setup.drafts)

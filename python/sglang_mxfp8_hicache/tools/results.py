@@ -120,6 +120,7 @@ GOALS = (
     Goal("loop", 0.02, beside=True, loop_over="sglang"),
     Goal("raw", 1.15, pages=16, direction="load", beside=True),
     Goal("raw", 1.5, up_to=1, direction="load", beside=True),
+    Goal("raw", 1.3, pages=16, layer0=True, beside=True),
     Goal("raw", 1.2, pages=16, direction="backup", beside=True),
 )
 """What ``bench --check`` holds every cell to (docs/benchmarks.md)."""
