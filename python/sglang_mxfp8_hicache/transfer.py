@@ -121,9 +121,8 @@ class PageChunkMover:
         raise NotImplementedError
 
     def begin_load(self) -> None:
-        """A load begins; its groups' ``move`` calls follow. Staged copies of
-        the load start from here on the caller's stream, not each behind the
-        load's earlier groups (``csrc/staged_copies.cuh``)."""
+        """A load begins: its groups' ``move`` calls follow. Every load's
+        moves follow a call of it (``loads.LoadPlanner`` makes them)."""
 
     def raise_if_refused(self) -> None:
         """Raises if an earlier launch refused a page."""
@@ -290,6 +289,7 @@ class StagedPageChunks(PageChunkKernel):
             to_host: staging_ring(device, self._module, staging_bytes, to_host=to_host)
             for to_host in (True, False)
         }
+        self._load_begun = False
 
     def describe(self, backup: StagedPrepared) -> str:
         rings = [ring for ring in self._rings.values() if ring is not None]
@@ -311,9 +311,17 @@ class StagedPageChunks(PageChunkKernel):
         return said
 
     def begin_load(self) -> None:
+        """The load's staged copies will start where the caller's stream
+        stands after its first group by SM (layer 0, which then has the link
+        to itself) or before its first staged group, whichever comes first;
+        not each behind the load's earlier groups (``csrc/staged_copies.cuh``)."""
+        self._load_begun = False
+
+    def _mark_load_start(self) -> None:
         ring = self._rings[False]
-        if ring is not None:
+        if not self._load_begun and ring is not None:
             self._module.begin_load(self._all, ring.lanes)
+        self._load_begun = True
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> StagedPrepared:
         prepared = StagedPrepared(direct=super().prepare(layers))
@@ -354,13 +362,19 @@ class StagedPageChunks(PageChunkKernel):
             or host_indices.dtype != torch.int64
             or pages * plan.stride < self.min_bytes
         ):
-            return super().move(
+            path = super().move(
                 prepared.direct, host_indices, device_indices, to_host=to_host
             )
-        self._module.staged_transfer(
-            *plan.before, host_indices, device_indices, *plan.after
-        )
-        return "copy_engines"
+        else:
+            if not to_host:
+                self._mark_load_start()
+            self._module.staged_transfer(
+                *plan.before, host_indices, device_indices, *plan.after
+            )
+            path = "copy_engines"
+        if not to_host:
+            self._mark_load_start()
+        return path
 
 
 def fallback_element(run_bytes: int) -> int | None:

@@ -215,9 +215,9 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     """Backup, load, a backup of other bytes to the same host pages, load
     again: on one stream, with the same index tensors and no synchronisation
     between them. Each load restores what the backup just before it saved (a
-    load's copies wait for what came before it on the stream: each load
-    begins once, before its first group, and its groups' copies start from
-    there), and the pages backed up stay as they were."""
+    load's copies wait for what came before it on the stream: they start
+    once per load, after layer 0, not each behind the load's earlier
+    groups), and the pages backed up stay as they were."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
     device_pool, host = make_pools(
         heads=8, head_dim=128, layers=layers, pages=pages, host_cls=ring_of(3)
@@ -241,10 +241,11 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
         host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
         for layer in range(layers):
             host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
-        # The backup; the load: its start, layer 0 by SM, four staged groups.
+        # The backup; the load: layer 0 by SM, then its copies' start (after
+        # layer 0, which has the link to itself), then four staged groups.
         assert (
             calls
-            == ["staged_transfer", "begin_load", "transfer"] + ["staged_transfer"] * 4
+            == ["staged_transfer", "transfer", "begin_load"] + ["staged_transfer"] * 4
         )
         restored = [r[pages + 1 : 2 * pages + 1].cpu() for r in rows]
         backed_up = [r[1 : pages + 1].cpu() for r in rows]

@@ -22,10 +22,12 @@
 // copy it issued, so an event recorded on that stream after the call (the
 // controller's completion and per-layer events) covers every byte moved. A
 // load's copies start where the caller's stream stood at the load's
-// begin_load: a load issued in layer groups (loads.py) calls it once, before
-// its first group, so no group's copies wait for the scatter kernels of the
-// groups before it (which wait for SMs the forward pass holds); each slot's
-// reuse still waits for the kernel that read it.
+// begin_load: a load issued in layer groups (loads.py) calls it once, right
+// after its first group by SM copies (layer 0, which so has the link to
+// itself) or else before its first staged group, so no group's copies wait
+// for the scatter kernels of the groups before it (which wait for SMs the
+// forward pass holds); each slot's reuse still waits for the kernel that
+// read it.
 // Host token indices are on the CPU (their page starts give the copies'
 // addresses) and are checked here before anything moves, as are device ones
 // on the CPU; device token indices on the GPU are checked by the kernel, which
