@@ -121,8 +121,7 @@ class PageChunkMover:
         raise NotImplementedError
 
     def begin_load(self) -> None:
-        """A load begins: its groups' ``move`` calls follow. Every load's
-        moves follow a call of it (``loads.LoadPlanner`` makes them)."""
+        """A load begins; every load's ``move`` calls follow one (``loads``)."""
 
     def raise_if_refused(self) -> None:
         """Raises if an earlier launch refused a page."""
@@ -311,17 +310,16 @@ class StagedPageChunks(PageChunkKernel):
         return said
 
     def begin_load(self) -> None:
-        """The load's staged copies will start where the caller's stream
-        stands after its first group by SM (layer 0, which then has the link
-        to itself) or before its first staged group, whichever comes first;
-        not each behind the load's earlier groups (``csrc/staged_copies.cuh``)."""
+        """The load's copies start where the caller's stream stands after its
+        first group by SM (layer 0: the link its own) or before its first
+        staged one, not each behind the groups before (``staged_copies.cuh``)."""
         self._load_begun = False
 
-    def _mark_load_start(self) -> None:
+    def _mark_load_start(self, to_host: bool) -> None:
         ring = self._rings[False]
-        if not self._load_begun and ring is not None:
+        if not (to_host or self._load_begun) and ring is not None:
             self._module.begin_load(self._all, ring.lanes)
-        self._load_begun = True
+        self._load_begun |= not to_host
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> StagedPrepared:
         prepared = StagedPrepared(direct=super().prepare(layers))
@@ -366,14 +364,12 @@ class StagedPageChunks(PageChunkKernel):
                 prepared.direct, host_indices, device_indices, to_host=to_host
             )
         else:
-            if not to_host:
-                self._mark_load_start()
+            self._mark_load_start(to_host)
             self._module.staged_transfer(
                 *plan.before, host_indices, device_indices, *plan.after
             )
             path = "copy_engines"
-        if not to_host:
-            self._mark_load_start()
+        self._mark_load_start(to_host)
         return path
 
 
