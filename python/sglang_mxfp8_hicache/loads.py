@@ -118,18 +118,16 @@ class LoadPlanner:
         mover's ``begin_load`` first where a load begins."""
         host, device = self._indices
         new = host is not host_indices or device is not device_indices
-        if is_draft:
-            if new:  # drafts come after their load's first target layer
-                self._mover.begin_load()
-            return self._drafts.get(layer_id)
-        if layer_id >= self._target_layers:
-            return None
-        if new or layer_id in self._seen:
+        if new or layer_id in self._seen:  # a draft layer may come first
             self._mover.begin_load()
             self._indices = (host_indices, device_indices)
             self._plan = self._plan_of(len(host_indices) // self._page_size)
             self._seen, self._issued = set(), set()
         self._seen.add(layer_id)
+        if is_draft:
+            return self._drafts.get(layer_id)
+        if layer_id >= self._target_layers:
+            return None
         prepared, group_of = self._plan
         group = group_of[layer_id]
         if group in self._issued:

@@ -310,16 +310,16 @@ class StagedPageChunks(PageChunkKernel):
         return said
 
     def begin_load(self) -> None:
-        """The load's copies start where the caller's stream stands after its
-        first group by SM (layer 0: the link its own) or before its first
-        staged one, not each behind the groups before (``staged_copies.cuh``)."""
+        """Its copies start after its first group by SM (layer 0, the link its
+        own) or before its first staged one, not each behind the last group."""
         self._load_begun = False
 
-    def _mark_load_start(self, to_host: bool) -> None:
+    def _mark_load_start(self, to_host: bool, may_stage: bool) -> None:
+        """Once per load that may stage; again after a backup (host written)."""
         ring = self._rings[False]
-        if not (to_host or self._load_begun) and ring is not None:
+        if not (to_host or self._load_begun) and ring is not None and may_stage:
             self._module.begin_load(self._all, ring.lanes)
-        self._load_begun |= not to_host
+        self._load_begun = not to_host
 
     def prepare(self, layers: range, *, by_sm: bool = False) -> StagedPrepared:
         prepared = StagedPrepared(direct=super().prepare(layers))
@@ -354,9 +354,11 @@ class StagedPageChunks(PageChunkKernel):
     def move(self, prepared, host_indices, device_indices, *, to_host) -> str:
         plan = prepared.staged.get(to_host)
         pages = host_indices.numel() // self._tables.page_size
+        on_cpu = host_indices.device.type == "cpu"
+        may_stage = on_cpu and pages * self._tables.host_stride >= self.min_bytes
         if (
             plan is None
-            or host_indices.device.type != "cpu"
+            or not on_cpu
             or host_indices.dtype != torch.int64
             or pages * plan.stride < self.min_bytes
         ):
@@ -364,12 +366,12 @@ class StagedPageChunks(PageChunkKernel):
                 prepared.direct, host_indices, device_indices, to_host=to_host
             )
         else:
-            self._mark_load_start(to_host)
+            self._mark_load_start(to_host, may_stage)
             self._module.staged_transfer(
                 *plan.before, host_indices, device_indices, *plan.after
             )
             path = "copy_engines"
-        self._mark_load_start(to_host)
+        self._mark_load_start(to_host, may_stage)
         return path
 
 

@@ -44,8 +44,9 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   (``host_base`` plus the host page number times ``host_stride``); a load
   copies the pieces in first, then moves the chunks to the device. Host
   indices are CPU int64, every page checked before anything moves. A load's
-  copies wait for the caller's stream as it stood at the lanes' last
-  ``begin_load``: a staged load on lanes that never began one fails.
+  copies wait for the caller's stream as it stood at the last
+  ``begin_load``: a staged load with a backup since then (host pages written
+  that its copies might read early) fails.
 - ``transfer_hicache_one_layer``: all four caches are viewed as
   ``[-1, element_dim]``; row ``indices_src[i]`` of each source goes to row
   ``indices_dst[i]`` of its destination (``hicache.cuh`` ``run_one``).
@@ -405,6 +406,9 @@ class EmulatedKernels(SGLangDirectCopies, SGLangStagedWriteBack):
     SGLang's JIT kernels (direct and staged) and ours (``page_chunks_module``),
     over one pointer map."""
 
+    host_written_since_begin = True
+    """Whether a backup wrote host pages after the last ``begin_load``."""
+
     def page_chunks_module(self, vector: int) -> PageChunksModule:
         """Ours (``csrc/page_chunks.cuh``, ``csrc/staged_copies.cuh``)."""
         return PageChunksModule(self, vector)
@@ -435,6 +439,8 @@ class PageChunksModule:
     ) -> None:
         """Every page's chunks between the device and its host page."""
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
+        if to_host:
+            self.kernels.host_written_since_begin = True
         _check_indices(what, host_indices, device_indices, page_size)
         shapes = _check_parts(
             what, tables, refused, parts, heads, page_size, max_blocks, self.vector
@@ -457,6 +463,7 @@ class PageChunksModule:
     def begin_load(self, on_device, lanes) -> None:
         assert lanes, "block-scaled HiCache load: no staging ring"
         self.kernels.calls.append(("begin_load", self.vector))
+        self.kernels.host_written_since_begin = False
 
     def staged_transfer(
         self,
@@ -483,6 +490,8 @@ class PageChunksModule:
         each piece to its host page; a load copies the pieces in, then
         scatters."""
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
+        if to_host:
+            self.kernels.host_written_since_begin = True
         assert host_indices.device.type == "cpu"
         assert host_indices.dtype == torch.int64, "host indices: CPU int64"
         assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
@@ -501,8 +510,8 @@ class PageChunksModule:
             host_indices, device_indices, page_size, what
         )
         if not to_host:
-            assert ("begin_load", self.vector) in self.kernels.calls, (
-                f"{what}: staged copies with no begin_load to start from"
+            assert not self.kernels.host_written_since_begin, (
+                f"{what}: staged copies with no begin_load since the last backup"
             )
         for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
             self.kernels.calls.append(("staged", self.vector))

@@ -254,6 +254,39 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
             assert torch.equal(was.cpu(), source)
 
 
+def test_a_draft_first_begins_its_load(make_pools, ring_of, device):
+    """A hybrid stack's controller may load draft 0 before the pool's first
+    target layer. With the same index tensors each time, after a backup to
+    the same host pages: each load begins before the draft's staged copies
+    and restores what the backup just before it saved."""
+    pages, layers = 4, 3
+    device_pool, host, (draft,) = make_pools(
+        heads=8, head_dim=128, layers=layers, pages=pages, drafts=1, host_cls=ring_of(3)
+    )
+    calls: list[str] = []
+    host._mover._module = _Recording(host._mover._module, calls)
+    tensors = device_buffers(device_pool) + device_buffers(draft)
+    gen = torch.Generator(device=device).manual_seed(5)
+    hosts = page_token_indices(torch.arange(pages))
+    src = page_token_indices(torch.arange(pages) + 1).to(device)
+    dst = page_token_indices(torch.arange(pages) + pages + 1).to(device)
+    rows = [t.view(torch.uint8).view(2 * pages + 2, -1) for t in tensors]
+    for _ in range(2):
+        fill_random(tensors, gen)
+        saved = [r[1 : pages + 1].clone() for r in rows]
+        calls.clear()
+        host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
+        host.load_to_device_per_layer(
+            draft, hosts, dst, layers, "kernel", is_draft=True
+        )
+        for layer in range(layers):
+            host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
+        assert calls[:3] == ["staged_transfer", "begin_load", "staged_transfer"]
+        assert calls.count("begin_load") == 1
+        for was, row in zip(saved, rows, strict=True):
+            assert torch.equal(was.cpu(), row[pages + 1 : 2 * pages + 1].cpu())
+
+
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
     """With host indices on the CPU (the controller's, with the plugin's hook)
     a transfer of 4 MiB or more goes through staging; on the GPU, by SM

@@ -245,8 +245,9 @@ def _transfers(
     ]
 
     def raw_load(mark) -> None:
-        """Layer 0's share of the bytes first (its own time), then the rest."""
-        first = pages * bytes_per_page // (layers + len(drafts))
+        """The bytes ours moves before its mark (layer 0, its drafts) first."""
+        first = pages * bytes_per_page * (1 + len(drafts_after[0]))
+        first //= layers + len(drafts)
         raw_device[:first].copy_(raw_host[:first], non_blocking=True)
         mark()
         raw_device[first:].copy_(raw_host[first:], non_blocking=True)
