@@ -211,20 +211,26 @@ def test_round_trip_staged(
     assert result.host_untouched and result.device_untouched
 
 
-def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, device):
+@pytest.mark.parametrize(
+    "draft_first", [False, True], ids=["draft_after", "draft_first"]
+)
+def test_each_load_restores_the_backup_just_before_it(
+    make_pools, ring_of, device, draft_first
+):
     """Backup, load, a backup of other bytes to the same host pages, load
     again: on one stream, with the same index tensors and no synchronisation
     between them. Each load restores what the backup just before it saved (a
     load's copies wait for what came before it on the stream: they start
-    once per load, after layer 0, not each behind the load's earlier
-    groups), and the pages backed up stay as they were."""
+    once per load, after layer 0, or before a draft layer a hybrid stack's
+    controller loads first; not each behind the load's earlier groups), and
+    the pages backed up stay as they were."""
     pages, layers = 9, 13  # groups 0 | 1 | 2-3 | 4-7 | 8-12, each several chunks
-    device_pool, host = make_pools(
-        heads=8, head_dim=128, layers=layers, pages=pages, host_cls=ring_of(3)
+    device_pool, host, (draft,) = make_pools(
+        heads=8, head_dim=128, layers=layers, pages=pages, drafts=1, host_cls=ring_of(3)
     )
     calls: list[str] = []
     host._mover._module = _Recording(host._mover._module, calls)
-    tensors = device_buffers(device_pool)
+    tensors = device_buffers(device_pool) + device_buffers(draft)
     gen = torch.Generator(device=device).manual_seed(11)
     hosts = page_token_indices(
         torch.randperm(host.page_num, generator=torch.Generator().manual_seed(2))[
@@ -234,57 +240,30 @@ def test_each_load_restores_the_backup_just_before_it(make_pools, ring_of, devic
     src = page_token_indices(torch.arange(pages) + 1).to(device)
     dst = page_token_indices(torch.arange(pages) + pages + 1).to(device)
     rows = [t.view(torch.uint8).view(2 * pages + 2, -1) for t in tensors]
+    order = [(draft, layers, True)] + [(device_pool, n, False) for n in range(layers)]
+    if not draft_first:  # SGLang's MHA controller: draft depth 0 after layer 0
+        order[:2] = order[1::-1]
     for _ in range(2):
         fill_random(tensors, gen)
         saved = [r[1 : pages + 1].clone() for r in rows]
         calls.clear()
         host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
-        for layer in range(layers):
-            host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
-        # The backup; the load: layer 0 by SM, then its copies' start (after
-        # layer 0, which has the link to itself), then four staged groups.
-        assert (
-            calls
-            == ["staged_transfer", "transfer", "begin_load"] + ["staged_transfer"] * 4
-        )
+        for pool, layer, is_draft in order:
+            host.load_to_device_per_layer(
+                pool, hosts, dst, layer, "kernel", is_draft=is_draft
+            )
+        # The backup; the load: its copies' start after layer 0 by SM (which
+        # so has the link to itself) or before the draft loaded first, then
+        # the draft, layer 0 and four staged groups.
+        start = ["begin_load", "staged_transfer", "transfer"]
+        if not draft_first:
+            start = ["transfer", "begin_load", "staged_transfer"]
+        assert calls == ["staged_transfer", *start] + ["staged_transfer"] * 4
         restored = [r[pages + 1 : 2 * pages + 1].cpu() for r in rows]
         backed_up = [r[1 : pages + 1].cpu() for r in rows]
         for was, now, source in zip(saved, restored, backed_up, strict=True):
             assert torch.equal(was.cpu(), now)
             assert torch.equal(was.cpu(), source)
-
-
-def test_a_draft_first_begins_its_load(make_pools, ring_of, device):
-    """A hybrid stack's controller may load draft 0 before the pool's first
-    target layer. With the same index tensors each time, after a backup to
-    the same host pages: each load begins before the draft's staged copies
-    and restores what the backup just before it saved."""
-    pages, layers = 4, 3
-    device_pool, host, (draft,) = make_pools(
-        heads=8, head_dim=128, layers=layers, pages=pages, drafts=1, host_cls=ring_of(3)
-    )
-    calls: list[str] = []
-    host._mover._module = _Recording(host._mover._module, calls)
-    tensors = device_buffers(device_pool) + device_buffers(draft)
-    gen = torch.Generator(device=device).manual_seed(5)
-    hosts = page_token_indices(torch.arange(pages))
-    src = page_token_indices(torch.arange(pages) + 1).to(device)
-    dst = page_token_indices(torch.arange(pages) + pages + 1).to(device)
-    rows = [t.view(torch.uint8).view(2 * pages + 2, -1) for t in tensors]
-    for _ in range(2):
-        fill_random(tensors, gen)
-        saved = [r[1 : pages + 1].clone() for r in rows]
-        calls.clear()
-        host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
-        host.load_to_device_per_layer(
-            draft, hosts, dst, layers, "kernel", is_draft=True
-        )
-        for layer in range(layers):
-            host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
-        assert calls[:3] == ["staged_transfer", "begin_load", "staged_transfer"]
-        assert calls.count("begin_load") == 1
-        for was, row in zip(saved, rows, strict=True):
-            assert torch.equal(was.cpu(), row[pages + 1 : 2 * pages + 1].cpu())
 
 
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
