@@ -310,8 +310,8 @@ class StagedPageChunks(PageChunkKernel):
         return said
 
     def begin_load(self) -> None:
-        """Its copies start after its first group by SM (layer 0, the link its
-        own) or before its first staged one, not each behind the last group."""
+        """A load's copies start after its first group by SM (layer 0, the link
+        its own) or before its first staged one, not each behind the last."""
         self._load_begun = False
 
     def _mark_load_start(self, to_host: bool, may_stage: bool) -> None:
@@ -365,14 +365,13 @@ class StagedPageChunks(PageChunkKernel):
             path = super().move(
                 prepared.direct, host_indices, device_indices, to_host=to_host
             )
-        else:
-            self._mark_load_start(to_host, may_stage)
-            self._module.staged_transfer(
-                *plan.before, host_indices, device_indices, *plan.after
-            )
-            path = "copy_engines"
-        self._mark_load_start(to_host, may_stage)
-        return path
+            self._mark_load_start(to_host, may_stage)  # after a group by SM (layer 0)
+            return path
+        self._mark_load_start(to_host, may_stage)  # before the staged copies
+        self._module.staged_transfer(
+            *plan.before, host_indices, device_indices, *plan.after
+        )
+        return "copy_engines"
 
 
 def fallback_element(run_bytes: int) -> int | None:
