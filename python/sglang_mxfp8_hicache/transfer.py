@@ -204,11 +204,13 @@ class StagingRing:
     def slot_bytes(self) -> int:
         return self.buffer.numel() // self.SLOTS
 
-    def slot_pages(self, stride: int) -> tuple[int, int]:
-        """(staged pages per slot, the staged page where slot 1 begins); each
-        slot's pages stay in its half, so reuse events hold for any stride."""
-        second = -(-self.slot_bytes // stride)
-        return self.SLOTS * self.slot_bytes // stride - second, second
+    def slot_pages(self, stride: int) -> int:
+        """Staged pages of ``stride`` bytes each slot holds wholly, at least
+        (slot 1 begins at the first such page after slot 0's bytes)."""
+        second_starts = -(-self.slot_bytes // stride)
+        return min(
+            self.slot_bytes // stride, 2 * self.slot_bytes // stride - second_starts
+        )
 
 
 _rings: dict[tuple[str, bool], StagingRing | None] = {}
@@ -330,7 +332,7 @@ class StagedPageChunks(PageChunkKernel):
         for to_host, ring in self._rings.items():
             if ring is None or (by_sm and not to_host):
                 continue
-            slot_pages, second_slot = ring.slot_pages(layout.stride)
+            slot_pages = ring.slot_pages(layout.stride)
             if slot_pages < 1:
                 continue
             address = ring.buffer.data_ptr()
@@ -346,7 +348,7 @@ class StagedPageChunks(PageChunkKernel):
                 slot_pages,
                 (table, self._refused),
                 (self._parts, tables.heads, tables.page_size, address, layout.stride)
-                + (slot_pages, second_slot, pieces, tables.host_address)
+                + (ring.slot_bytes, pieces, tables.host_address)
                 + (tables.host_stride, ring.lanes, to_host, self._gather_blocks),
             )
         return prepared

@@ -35,9 +35,11 @@ counterpart in ``sglang.kernels.ops.kvcache.hicache`` and moves the same bytes:
   refuses the whole transfer before anything moves (the package's own
   ``transfer.check_transfer_pages``, the check the kernel makes).
 - ``page_chunks_module(vector).staged_transfer`` (ours, ``csrc/staged_copies.cuh``):
-  the same chunks through a staging ring: per chunk of ``slot_pages`` pages
-  (the ring's two slots in turn, slot 1's staged pages from ``second_slot``),
-  a backup moves each page's chunks to its
+  the same chunks through a staging ring of two slots of ``slot_bytes``: each
+  transfer's staged pages follow the ring's last ones in the slot being
+  filled (rounded up to whole staged pages of ``stage_stride``), the other
+  slot taken when it is full, each chunk what one slot holds
+  (``PageChunksModule.placements`` records them); a backup moves each page's chunks to its
   staged page (the ring's base plus the staged page number times
   ``stage_stride``, with the table's host bases naming staged page 0), then
   copies each ``(host offset, staged offset, bytes)`` piece to its host page
@@ -409,6 +411,13 @@ class EmulatedKernels(SGLangDirectCopies, SGLangStagedWriteBack):
     host_written_since_begin = True
     """Whether a backup wrote host pages after the last ``begin_load``."""
 
+    def __init__(self, pointers: PointerMap) -> None:
+        super().__init__(pointers)
+        self.ring_fill: list[tuple[int, int]] = []
+        """Per staging ring (its lanes handle less one): the slot being filled, its bytes taken."""
+        self.placements: list[tuple[int, int, bool, int]] = []
+        """Each staged chunk: its ring's handle, slot, whether it entered the slot, pages."""
+
     def page_chunks_module(self, vector: int) -> PageChunksModule:
         """Ours (``csrc/page_chunks.cuh``, ``csrc/staged_copies.cuh``)."""
         return PageChunksModule(self, vector)
@@ -454,11 +463,11 @@ class PageChunksModule:
             tables, shapes, heads, host_pages, device_pages, host_stride, to_host
         )
 
-    @staticmethod
-    def create_lanes(handle, lanes) -> None:
+    def create_lanes(self, handle, lanes) -> None:
         assert handle.dtype == torch.int64 and handle.numel() == 1
         assert 1 <= lanes <= 8, "1 to 8 copy lanes"
-        handle[0] = 1
+        self.kernels.ring_fill.append((0, 0))
+        handle[0] = len(self.kernels.ring_fill)  # each ring its own
 
     def begin_load(self, on_device, lanes) -> None:
         assert lanes, "block-scaled HiCache load: no staging ring"
@@ -476,8 +485,7 @@ class PageChunksModule:
         page_size,
         stage_base,
         stage_stride,
-        slot_pages,
-        second_slot,
+        slot_bytes,
         pieces,
         host_base,
         host_stride,
@@ -485,22 +493,16 @@ class PageChunksModule:
         to_host,
         max_blocks,
     ) -> None:
-        """Per chunk of ``slot_pages`` pages, alternating between the ring's
-        two slots: a backup gathers the chunks into staged pages then copies
-        each piece to its host page; a load copies the pieces in, then
-        scatters."""
+        """Per chunk, placed as ``csrc/staged_copies.cuh`` places it: a backup
+        gathers the chunks into staged pages then copies each piece to its
+        host page; a load copies the pieces in, then scatters."""
         what = "block-scaled HiCache " + ("backup" if to_host else "load")
         if to_host:
             self.kernels.host_written_since_begin = True
         assert host_indices.device.type == "cpu"
         assert host_indices.dtype == torch.int64, "host indices: CPU int64"
         assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
-        if (
-            slot_pages <= 0
-            or second_slot < slot_pages
-            or stage_stride <= 0
-            or not lanes
-        ):
+        if stage_stride <= 0 or not lanes or _slot_pages(slot_bytes, stage_stride) < 1:
             raise RuntimeError(f"{what}: no staging ring")
         _check_indices(what, host_indices, device_indices, page_size)
         shapes = _check_parts(
@@ -513,11 +515,16 @@ class PageChunksModule:
             assert not self.kernels.host_written_since_begin, (
                 f"{what}: staged copies with no begin_load since the last backup"
             )
-        for chunk, first in enumerate(range(0, len(host_pages), slot_pages)):
+        first = 0
+        while first < len(host_pages):
+            slot, staged, entering = self._place(
+                lanes, slot_bytes, stage_stride, len(host_pages) - first
+            )
             self.kernels.calls.append(("staged", self.vector))
-            hosts = host_pages[first : first + slot_pages]
-            devices = device_pages[first : first + slot_pages]
-            staged = torch.arange(len(hosts)) + chunk % 2 * second_slot
+            self.kernels.placements.append((lanes, slot, entering, len(staged)))
+            hosts = host_pages[first : first + len(staged)]
+            devices = device_pages[first : first + len(staged)]
+            first += len(staged)
             ring = (stage_base, stage_stride, host_base, host_stride)
             if not to_host:
                 self._copy_pieces(pieces, hosts, staged, ring, to_host)
@@ -526,6 +533,21 @@ class PageChunksModule:
             )
             if to_host:
                 self._copy_pieces(pieces, hosts, staged, ring, to_host)
+
+    def _place(
+        self, lanes, slot_bytes, stride, pages
+    ) -> tuple[int, torch.Tensor, bool]:
+        """The ring's next chunk of up to ``pages`` staged pages: its slot, its
+        staged page numbers, and whether it enters the slot (waits for the
+        slot's last use), the ring's fill moved past it."""
+        slot, fill = self.kernels.ring_fill[lanes - 1]
+        begin = -(-(slot * slot_bytes + fill) // stride)
+        if begin >= (slot + 1) * slot_bytes // stride:
+            slot, fill = (slot + 1) % 2, 0
+            begin = -(-(slot * slot_bytes) // stride)
+        end = min(begin + pages, (slot + 1) * slot_bytes // stride)
+        self.kernels.ring_fill[lanes - 1] = (slot, end * stride - slot * slot_bytes)
+        return slot, torch.arange(begin, end), fill == 0
 
     def _copy_pieces(self, pieces, hosts, staged, ring, to_host) -> None:
         """Each piece of every staged page, to or from its host page."""
@@ -565,6 +587,12 @@ class PageChunksModule:
                         (device, host) if to_host else (host, device)
                     )
                     self.kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
+
+
+def _slot_pages(slot_bytes: int, stride: int) -> int:
+    """Whole staged pages the smaller of a ring's two slots holds."""
+    second_starts = -(-slot_bytes // stride)
+    return min(slot_bytes // stride, 2 * slot_bytes // stride - second_starts)
 
 
 def _page_numbers(host_indices, device_indices, page_size, what):

@@ -104,19 +104,58 @@ def test_staged_layout_holds_the_runs_the_page_holds(page):
 
 
 @pytest.mark.parametrize("stride", [4096, 270_336, 528 << 10, 1_351_680, 5 << 20])
-def test_each_slot_keeps_to_its_half_of_the_ring(stride):
-    """Whatever the stride, slot 0's staged pages lie in the ring's first half
-    and slot 1's in its second: moves of different strides (a load's layer
-    groups, pools of other geometries) never share bytes across slots, whose
-    reuse the ring orders per slot."""
+def test_slot_pages_are_whole_staged_pages_of_either_slot(stride):
+    """A slot holds ``slot_pages`` whole staged pages of ``stride`` or more:
+    slot 0's from byte 0, slot 1's from the first page past slot 0's bytes,
+    each within its own slot's bytes (so one slot's reuse waits only for
+    that slot's last use)."""
     ring = transfer.StagingRing(
         torch.empty(2 * (10_747_904 + 4096), dtype=torch.uint8), lanes=1
     )
     half = ring.slot_bytes
-    pages, second = ring.slot_pages(stride)
-    assert pages >= half // stride - 1 and pages >= 1
-    assert pages * stride <= half <= second * stride
-    assert (second + pages) * stride <= 2 * half
+    in_slot = [
+        sum(
+            1
+            for p in range(2 * half // stride + 1)
+            if s * half <= p * stride and (p + 1) * stride <= (s + 1) * half
+        )
+        for s in (0, 1)
+    ]
+    assert ring.slot_pages(stride) == min(in_slot) >= 1
+
+
+def test_transfers_fill_a_slot_before_entering_the_other(
+    make_pools, ring_of, device, request
+):
+    """Each staged chunk starts where the ring's last one ended; only a chunk
+    that finds its slot full enters the other (and waits for that slot's last
+    use). Loads of 9 pages whose groups fit twice in a slot: the first enters
+    slot 0, the second follows it there, the third fills it and enters slot
+    1. Every load restores its backup byte for byte."""
+    device_pool, host = make_pools(
+        heads=8, head_dim=128, layers=13, pages=9, host_cls=ring_of(20)
+    )
+    kernels = request.getfixturevalue("cpu_kernels") if device == "cpu" else None
+    entered = []
+    for seed in range(3):
+        if kernels:
+            kernels.placements.clear()
+        result = round_trip(device_pool, host, pages=9, seed=seed)
+        assert result.payload_restored and result.scales_restored
+        assert result.host_untouched and result.device_untouched
+        if kernels:
+            load_ring = max(ring for ring, *_ in kernels.placements)  # made second
+            entered.append(
+                [
+                    (slot, e)
+                    for ring, slot, e, _ in kernels.placements
+                    if ring == load_ring
+                ]
+            )
+    if kernels:
+        assert entered[0] == [(0, True)] + [(0, False)] * 3
+        assert entered[1] == [(0, False)] * 4
+        assert (1, True) in entered[2] and (0, True) not in entered[2]
 
 
 @pytest.mark.parametrize("device", ["cpu"], indirect=True)

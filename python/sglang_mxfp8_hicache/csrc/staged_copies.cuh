@@ -11,8 +11,14 @@
 //   load:   copy each host page's pieces into a slot on the copy lanes, then
 //           scatter the slot's chunks to their device pages.
 //
-// A ring of two slots lets the kernel of one chunk of pages overlap the
-// copies of the other. Pieces of a staged page are contiguous both in staging
+// A ring of two slots lets the kernels of one slot overlap the copies of the
+// other. Transfers fill a slot one after another, each from where the last
+// one ended (staged pages of its own stride, rounded up), and move to the
+// other slot when theirs is full: only entering a slot waits for its last
+// use (a load's copies for the scatter kernels that read it, a backup's
+// gather for the copies out of it), so the layer groups of a load that fits
+// in a slot never wait for a scatter, which beside the forward pass waits
+// for SMs. Pieces of a staged page are contiguous both in staging
 // and in the host page (StagedLayout in page.py); pieces that join on both
 // sides (consecutive host pages) move as one copy, and a chunk's copies are
 // spread over `lanes` streams, so several copy engines share the small ones.
@@ -57,7 +63,8 @@ inline constexpr int64_t kPieceFields = 3;  // host offset, staged offset, bytes
 // or writes the slot is done).
 struct CopyLanes {
   uint32_t lanes = 0;
-  uint32_t next_slot = 0;
+  uint32_t slot = 0;  // the slot being filled,
+  int64_t fill = 0;   // and its bytes taken
   cudaStream_t streams[kMaxLanes] = {};
   cudaEvent_t copied[kSlots][kMaxLanes] = {};
   cudaEvent_t kernel_done[kSlots] = {};
@@ -129,6 +136,11 @@ inline void issue_copies(const Copy* copies, size_t count, bool to_host, int dev
   for (size_t i = 0; i < count; ++i) {
     host::RuntimeDeviceCheck(cudaMemcpyAsync(copies[i].dst, copies[i].src, copies[i].bytes, kind, stream));
   }
+}
+
+// Staged pages of `stride` bytes that lie wholly in slot `slot`.
+inline int64_t slot_pages(int64_t slot, int64_t slot_bytes, int64_t stride) {
+  return (slot + 1) * slot_bytes / stride - (slot * slot_bytes + stride - 1) / stride;
 }
 
 template <uint32_t kVec, uint32_t kUnroll, uint32_t kBlockSize>
@@ -205,8 +217,7 @@ struct StagedPageChunks {
       int64_t num_pieces,
       char* stage_base,
       int64_t stage_stride,
-      int64_t slot_pages,
-      int64_t second_slot,
+      int64_t slot_bytes,
       char* host_base,
       int64_t host_stride,
       int64_t max_blocks,
@@ -216,12 +227,20 @@ struct StagedPageChunks {
     const cudaStream_t stream = host::LaunchKernel::resolve_device(gpu);
     thread_local std::vector<Copy> copies;
     bool used[kSlots] = {};
-    for (int64_t first = 0; first < num_pages; first += slot_pages) {
-      const int64_t count = std::min(num_pages - first, slot_pages);
-      const uint32_t slot = state.next_slot;
-      state.next_slot = (slot + 1) % kSlots;
+    // Staged pages of this stride: the first at or after `fill` in the slot,
+    // and the end of the slot.
+    const auto first_page = [&] { return (state.slot * slot_bytes + state.fill + stage_stride - 1) / stage_stride; };
+    const auto end_page = [&] { return (state.slot + 1) * slot_bytes / stage_stride; };
+    for (int64_t first = 0; first < num_pages;) {
+      if (first_page() >= end_page()) {
+        state.slot = (state.slot + 1) % kSlots;
+        state.fill = 0;
+      }
+      const uint32_t slot = state.slot;
+      const bool entering = state.fill == 0;
+      const int64_t staged_first = first_page();
+      const int64_t count = std::min(num_pages - first, end_page() - staged_first);
       used[slot] = true;
-      const int64_t staged_first = slot == 0 ? 0 : second_slot;
       copies.clear();
       size_t total = 0;
       for (int64_t p = 0; p < count; ++p) {
@@ -266,7 +285,7 @@ struct StagedPageChunks {
       };
       if constexpr (kToHost) {
         // The slot is free once the lanes' copies out of its last use are done.
-        for (uint32_t j = 0; j < state.lanes; ++j) {
+        for (uint32_t j = 0; entering && j < state.lanes; ++j) {
           host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.copied[slot][j], 0));
         }
         launch_kernel();
@@ -279,8 +298,8 @@ struct StagedPageChunks {
           host::RuntimeDeviceCheck(cudaEventRecord(state.copied[slot][j], state.streams[j]));
         }
       } else {
-        // The slot is free once the kernel that read its last use is done.
-        for (uint32_t j = 0; j < state.lanes; ++j) {
+        // The slot is free once the kernels that read its last use are done.
+        for (uint32_t j = 0; entering && j < state.lanes; ++j) {
           host::RuntimeDeviceCheck(cudaStreamWaitEvent(state.streams[j], state.kernel_done[slot], 0));
         }
         spread(copies, total, state, false, gpu.device_id);
@@ -291,6 +310,8 @@ struct StagedPageChunks {
         launch_kernel();
         host::RuntimeDeviceCheck(cudaEventRecord(state.kernel_done[slot], stream));
       }
+      state.fill = (staged_first + count) * stage_stride - slot * slot_bytes;
+      first += count;
     }
     if constexpr (kToHost) {
       for (uint32_t s = 0; s < kSlots; ++s) {
@@ -312,9 +333,8 @@ struct StagedPageChunks {
   //   times host_stride from host_base address the host pages);
   // device_indices: token indices on the GPU (int32 or int64) or the CPU (int64);
   // pieces: [n, 3] CPU int64, each (host offset, staged offset, bytes) of a
-  //   page (StagedLayout); slot_pages: staged pages per slot, slot 0's from
-  //   staged page 0, slot 1's from `second_slot` (StagingRing.slot_pages: each
-  //   slot's pages lie within its own half of the ring, whatever the stride).
+  //   page (StagedLayout); slot_bytes: each of the ring's two slots, from
+  //   stage_base, holds at least one staged page (StagingRing.slot_pages).
   static void transfer(
       const tvm::ffi::TensorView tables,
       const tvm::ffi::TensorView refused,
@@ -325,8 +345,7 @@ struct StagedPageChunks {
       const int64_t page_size,
       const int64_t stage_base,
       const int64_t stage_stride,
-      const int64_t slot_pages,
-      const int64_t second_slot,
+      const int64_t slot_bytes,
       const tvm::ffi::TensorView pieces,
       const int64_t host_base,
       const int64_t host_stride,
@@ -343,7 +362,8 @@ struct StagedPageChunks {
     RuntimeCheck(page_size > 0, what, ": page_size must be positive");
     RuntimeCheck(N.unwrap() % page_size == 0, what, ": ", N.unwrap(), " token indices are not whole pages of ", page_size);
     RuntimeCheck(
-        slot_pages > 0 && second_slot >= slot_pages && stage_stride > 0 && lanes_handle != 0,
+        stage_stride > 0 && slot_pages(0, slot_bytes, stage_stride) > 0 &&
+            slot_pages(1, slot_bytes, stage_stride) > 0 && lanes_handle != 0,
         what,
         ": no staging ring");
     const ChunkShape shape = Kernel::make_shape(tables, refused, parts, heads, stage_stride, page_size, max_blocks, what);
@@ -377,8 +397,7 @@ struct StagedPageChunks {
           P.unwrap(),
           stage,
           stage_stride,
-          slot_pages,
-          second_slot,
+          slot_bytes,
           host_pool,
           host_stride,
           max_blocks,
