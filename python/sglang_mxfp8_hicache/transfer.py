@@ -207,10 +207,8 @@ class StagingRing:
     def slot_pages(self, stride: int) -> int:
         """Staged pages of ``stride`` bytes each slot holds wholly, at least
         (slot 1 begins at the first such page after slot 0's bytes)."""
-        second_starts = -(-self.slot_bytes // stride)
-        return min(
-            self.slot_bytes // stride, 2 * self.slot_bytes // stride - second_starts
-        )
+        size = self.slot_bytes
+        return min(size // stride, 2 * size // stride + -size // stride)
 
 
 _rings: dict[tuple[str, bool], StagingRing | None] = {}
