@@ -16,9 +16,12 @@
 // one ended (staged pages of its own stride, rounded up), and move to the
 // other slot when theirs is full: only entering a slot waits for its last
 // use (a load's copies for the scatter kernels that read it, a backup's
-// gather for the copies out of it), so the layer groups of a load that fits
-// in a slot never wait for a scatter, which beside the forward pass waits
-// for SMs. Pieces of a staged page are contiguous both in staging
+// gather for the copies out of it), so the layer groups of a load that fit
+// in a slot's free bytes wait for no scatter, which beside the forward pass
+// waits for SMs. The slot's events, recorded after each chunk, cover its
+// whole pass because the ring's calls are ordered on the caller's streams:
+// a call from another stream than the last call's first waits for the end
+// of that call. Pieces of a staged page are contiguous both in staging
 // and in the host page (StagedLayout in page.py); pieces that join on both
 // sides (consecutive host pages) move as one copy, and a chunk's copies are
 // spread over `lanes` streams, so several copy engines share the small ones.
@@ -32,7 +35,7 @@
 // after its first group by SM copies (layer 0, which so has the link to
 // itself) or else before its first staged group, so no group's copies wait
 // for the scatter kernels of the groups before it (which wait for SMs the
-// forward pass holds); each slot's reuse still waits for the kernel that
+// forward pass holds); entering a slot still waits for the kernels that
 // read it.
 // Host token indices are on the CPU (their page starts give the copies'
 // addresses) and are checked here before anything moves, as are device ones
@@ -59,8 +62,8 @@ inline constexpr int64_t kPieceFields = 3;  // host offset, staged offset, bytes
 
 // The copy side of one staging ring, made once per ring and kept for the
 // process: the lanes' streams, and per slot an event on each lane (its copies
-// of the slot are done) and one on the caller's stream (the kernel that reads
-// or writes the slot is done).
+// of the slot so far are done) and one on the caller's stream (the kernels
+// that read or write the slot so far are done).
 struct CopyLanes {
   uint32_t lanes = 0;
   uint32_t slot = 0;  // the slot being filled,
@@ -69,6 +72,9 @@ struct CopyLanes {
   cudaEvent_t copied[kSlots][kMaxLanes] = {};
   cudaEvent_t kernel_done[kSlots] = {};
   cudaEvent_t started = {};  // a load's start on the caller's stream (begin_load)
+  cudaEvent_t last_call = {};  // the end of the ring's last call, on its stream
+  cudaStream_t last_stream = nullptr;
+  bool called = false;
   std::mutex mutex;
 };
 
@@ -165,6 +171,7 @@ struct StagedPageChunks {
       RuntimeDeviceCheck(cudaEventCreateWithFlags(&state->kernel_done[s], cudaEventDisableTiming));
     }
     RuntimeDeviceCheck(cudaEventCreateWithFlags(&state->started, cudaEventDisableTiming));
+    RuntimeDeviceCheck(cudaEventCreateWithFlags(&state->last_call, cudaEventDisableTiming));
     *static_cast<int64_t*>(handle.data_ptr()) = reinterpret_cast<int64_t>(state);
   }
 
@@ -227,6 +234,9 @@ struct StagedPageChunks {
     const cudaStream_t stream = host::LaunchKernel::resolve_device(gpu);
     thread_local std::vector<Copy> copies;
     bool used[kSlots] = {};
+    if (state.called && state.last_stream != stream) {
+      host::RuntimeDeviceCheck(cudaStreamWaitEvent(stream, state.last_call, 0));
+    }
     // Staged pages of this stride: the first at or after `fill` in the slot,
     // and the end of the slot.
     const auto first_page = [&] { return (state.slot * slot_bytes + state.fill + stage_stride - 1) / stage_stride; };
@@ -321,6 +331,9 @@ struct StagedPageChunks {
         }
       }
     }
+    host::RuntimeDeviceCheck(cudaEventRecord(state.last_call, stream));
+    state.last_stream = stream;
+    state.called = true;
   }
 
   // Moves whole pages of the layers in `tables` between host pages and device
