@@ -10,6 +10,7 @@ floors so every layer range that can be staged is.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -303,6 +304,49 @@ def test_each_load_restores_the_backup_just_before_it(
         for was, now, source in zip(saved, restored, backed_up, strict=True):
             assert torch.equal(was.cpu(), now)
             assert torch.equal(was.cpu(), source)
+
+
+def test_loads_on_two_streams_share_the_ring(make_pools, ring_of, device):
+    """Two pools load through the process's one ring, each on a stream of
+    its own, their layer groups interleaved, the ring's slots passed several
+    times: a call from another stream than the ring's last waits for that
+    call's end, so no copy overwrites staged bytes a scatter of the other
+    stream has yet to read. Both loads restore their backups byte for byte."""
+    pages, layers = 9, 13
+    built = [
+        make_pools(
+            heads=8, head_dim=128, layers=layers, pages=pages, host_cls=ring_of(3)
+        )
+        for _ in range(2)
+    ]
+    assert built[0][1]._mover._rings == built[1][1]._mover._rings
+    src = page_token_indices(torch.arange(pages) + 1).to(device)
+    dst = page_token_indices(torch.arange(pages) + pages + 1).to(device)
+    hosts = page_token_indices(torch.arange(pages) + 1)
+    saved = []
+    for n, (device_pool, host) in enumerate(built):
+        tensors = device_buffers(device_pool)
+        fill_random(tensors, torch.Generator(device=device).manual_seed(20 + n))
+        rows = [t.view(torch.uint8).view(2 * pages + 2, -1) for t in tensors]
+        saved.append([r[1 : pages + 1].cpu() for r in rows])
+        host.backup_from_device_all_layer(device_pool, hosts, src, "kernel")
+    on_gpu = device == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() if on_gpu else None for _ in built]
+    for layer in range(layers):
+        for (device_pool, host), stream in zip(built, streams, strict=True):
+            with torch.cuda.stream(stream) if on_gpu else nullcontext():
+                host.load_to_device_per_layer(device_pool, hosts, dst, layer, "kernel")
+    if on_gpu:
+        torch.cuda.synchronize()
+    for (device_pool, _), was in zip(built, saved, strict=True):
+        rows = [
+            t.view(torch.uint8).view(2 * pages + 2, -1)
+            for t in device_buffers(device_pool)
+        ]
+        for before, row in zip(was, rows, strict=True):
+            assert torch.equal(before, row[pages + 1 : 2 * pages + 1].cpu())
 
 
 def test_staged_path_is_taken_for_cpu_host_indices(make_pools, device):
