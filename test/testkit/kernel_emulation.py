@@ -502,7 +502,11 @@ class PageChunksModule:
         assert host_indices.device.type == "cpu"
         assert host_indices.dtype == torch.int64, "host indices: CPU int64"
         assert pieces.dtype == torch.int64 and pieces.shape[1] == 3
-        if stage_stride <= 0 or not lanes or _slot_pages(slot_bytes, stage_stride) < 1:
+        if (
+            stage_stride <= 0
+            or not lanes
+            or not all(_slot_pages(s, slot_bytes, stage_stride) for s in (0, 1))
+        ):
             raise RuntimeError(f"{what}: no staging ring")
         _check_indices(what, host_indices, device_indices, page_size)
         shapes = _check_parts(
@@ -541,11 +545,13 @@ class PageChunksModule:
         staged page numbers, and whether it enters the slot (waits for the
         slot's last use), the ring's fill moved past it."""
         slot, fill = self.kernels.ring_fill[lanes - 1]
+        in_slot = _slot_pages(slot, slot_bytes, stride)
         begin = -(-(slot * slot_bytes + fill) // stride)
-        if begin >= (slot + 1) * slot_bytes // stride:
+        if begin >= in_slot.stop:
             slot, fill = (slot + 1) % 2, 0
-            begin = -(-(slot * slot_bytes) // stride)
-        end = min(begin + pages, (slot + 1) * slot_bytes // stride)
+            in_slot = _slot_pages(slot, slot_bytes, stride)
+            begin = in_slot.start
+        end = min(begin + pages, in_slot.stop)
         self.kernels.ring_fill[lanes - 1] = (slot, end * stride - slot * slot_bytes)
         return slot, torch.arange(begin, end), fill == 0
 
@@ -589,10 +595,10 @@ class PageChunksModule:
                     self.kernels._copy_rows(src, dst, src_off, dst_off, row_bytes)
 
 
-def _slot_pages(slot_bytes: int, stride: int) -> int:
-    """Whole staged pages the smaller of a ring's two slots holds."""
-    second_starts = -(-slot_bytes // stride)
-    return min(slot_bytes // stride, 2 * slot_bytes // stride - second_starts)
+def _slot_pages(slot: int, slot_bytes: int, stride: int) -> range:
+    """The staged pages of ``stride`` bytes that lie wholly in ``slot``
+    (``slot_pages`` in ``csrc/staged_copies.cuh`` counts them)."""
+    return range(-(-(slot * slot_bytes) // stride), (slot + 1) * slot_bytes // stride)
 
 
 def _page_numbers(host_indices, device_indices, page_size, what):
