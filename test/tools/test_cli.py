@@ -29,7 +29,7 @@ LLAMA_8B = {
     "num_key_value_heads": 8,
     "hidden_size": 4096,
 }
-BENCH_RUN = ROOT / "docs" / "data" / "bench-h200-mxfp8.json"
+BENCH_RUN = ROOT / "docs" / "data" / "bench-h100-alone.json"
 """A committed L2 bench run, for ``--plot --from``."""
 DEEPSEEK_V3 = {
     "model_type": "deepseek_v3",
@@ -831,7 +831,9 @@ def test_bench_plot_from_json(tmp_path, capsys):
     """``bench --plot`` draws the committed runs' JSON, no GPU needed (the test
     extra brings matplotlib)."""
     data = ROOT / "docs" / "data"
-    sources = ",".join(str(data / f"bench-h200-{n}.json") for n in ("mxfp8", "fp4"))
+    sources = ",".join(
+        str(data / n) for n in ("bench-h100-alone.json", "bench-h200-fp4.json")
+    )
     out = tmp_path / "plot.png"
     code, said, _ = run_cli(["bench", "--plot", str(out), "--from", sources], capsys)
     assert code == 0 and said == f"wrote {out}\n"
@@ -841,12 +843,13 @@ def test_bench_plot_from_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    ("runs", "panel_rows"), [("mxfp8", 2), ("direct-page_head", 1)]
+    ("runs", "panel_rows"),
+    [("bench-h100-alone", 2), ("bench-h200-direct-page_head", 1)],
 )
 def test_bench_plot_draws_only_panels_with_data(tmp_path, capsys, runs, panel_rows):
     """A run without payload-only cells (direct, page_head) gets no empty
     "ours / payload" panels: the figure is one row of panels shorter."""
-    source = ROOT / "docs" / "data" / f"bench-h200-{runs}.json"
+    source = ROOT / "docs" / "data" / f"{runs}.json"
     out = tmp_path / "plot.png"
     assert run_cli(["bench", "--plot", str(out), "--from", str(source)], capsys)[0] == 0
     height = int.from_bytes(out.read_bytes()[20:24], "big")  # the PNG's IHDR
@@ -862,7 +865,7 @@ def test_bench_plot_of_other_json_is_one_line(tmp_path, capsys, content):
     if content == "l3":
         source = data / "bench-l3-file-h200.json"
     elif content == "truncated":
-        source.write_bytes((data / "bench-h200-mxfp8.json").read_bytes()[:100])
+        source.write_bytes((data / "bench-h100-alone.json").read_bytes()[:100])
     else:
         source.write_text(content)
     out = tmp_path / "plot.png"
