@@ -830,10 +830,8 @@ def test_check_require_gpu(monkeypatch, capsys, flags, code):
 def test_bench_plot_from_json(tmp_path, capsys):
     """``bench --plot`` draws the committed runs' JSON, no GPU needed (the test
     extra brings matplotlib)."""
-    data = ROOT / "docs" / "data"
-    sources = ",".join(
-        str(data / n) for n in ("bench-h100-alone.json", "bench-h200-fp4.json")
-    )
+    fp4_run = ROOT / "docs" / "data" / "bench-h200-fp4.json"
+    sources = f"{BENCH_RUN},{fp4_run}"
     out = tmp_path / "plot.png"
     code, said, _ = run_cli(["bench", "--plot", str(out), "--from", sources], capsys)
     assert code == 0 and said == f"wrote {out}\n"
@@ -860,12 +858,11 @@ def test_bench_plot_draws_only_panels_with_data(tmp_path, capsys, runs, panel_ro
 def test_bench_plot_of_other_json_is_one_line(tmp_path, capsys, content):
     """``bench --plot --from`` a file that is not an L2 bench run (an L3
     report, a truncated file, ``{}``) says so in one line, exit 2."""
-    data = ROOT / "docs" / "data"
     source = tmp_path / "run.json"
     if content == "l3":
-        source = data / "bench-l3-file-h200.json"
+        source = ROOT / "docs" / "data" / "bench-l3-file-h200.json"
     elif content == "truncated":
-        source.write_bytes((data / "bench-h100-alone.json").read_bytes()[:100])
+        source.write_bytes(BENCH_RUN.read_bytes()[:100])
     else:
         source.write_text(content)
     out = tmp_path / "plot.png"
