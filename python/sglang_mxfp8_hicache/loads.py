@@ -61,6 +61,24 @@ def load_layer_groups(
     return [first, *merged]
 
 
+def even_layer_groups(
+    layer_num: int,
+    layer_bytes: int,
+    min_group_bytes: int = MIN_LOAD_GROUP_BYTES,
+    one_launch_bytes: int = ONE_LAUNCH_BYTES,
+    min_layers: int = 1,
+) -> list[range]:
+    """Layer 0, then groups of equal length, the least that carries
+    ``min_group_bytes`` and ``min_layers``; one group if layers 1.. carry
+    under ``one_launch_bytes``."""
+    if (layer_num - 1) * layer_bytes < one_launch_bytes:
+        return [range(layer_num)]
+    size = max(min_layers, -(-min_group_bytes // max(1, layer_bytes)))
+    return [range(1)] + [
+        range(a, min(a + size, layer_num)) for a in range(1, layer_num, size)
+    ]
+
+
 class LoadPlanner:
     """What a pool's mover issues for each layer call of a load, in any layer
     order: a transfer is one pair of index tensors; a layer seen again begins

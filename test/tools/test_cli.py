@@ -881,3 +881,85 @@ def test_bench_help_shows_defaults_as_typed(capsys):
     said = " ".join(capsys.readouterr().out.split())
     assert "(default: 1,4,16,64,256,1024)" in said
     assert "ours with one choice undone: sm, fallback, load_doubling" in said
+
+
+@pytest.fixture
+def fake_hit(monkeypatch) -> SimpleNamespace:
+    """``bench --hit`` as on a CUDA GPU, without one: ``run`` records its
+    arguments and returns the rows set in ``rows``."""
+    from sglang_mxfp8_hicache.tools import bench, bench_hit
+
+    fake = SimpleNamespace(calls=[], rows=[])
+
+    def run(geometries, pages, tokens, *, classes, warmup, repeat, beside):
+        fake.calls.append((geometries, pages, tokens, sorted(classes), repeat, beside))
+        return fake.rows
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU")
+    monkeypatch.setattr(
+        bench, "host_classes", lambda ablations: dict.fromkeys(ablations)
+    )
+    monkeypatch.setattr(bench_hit, "run", run)
+    return fake
+
+
+def _hit_row(ours: float, **others: float):
+    from sglang_mxfp8_hicache.tools.results import HitRow
+
+    ttft = {"ours": ours, **others}
+    waits = {name: [0.5, 0.25] for name in ttft}
+    return HitRow(8, 128, 2, 16, 64, ttft, waits, dict.fromkeys(ttft, 0.1))
+
+
+def test_bench_hit_arguments_reach_run(fake_hit, tmp_path, capsys):
+    from sglang_mxfp8_hicache.tools import results
+
+    out_file = tmp_path / "hit.json"
+    fake_hit.rows = [_hit_row(1.04, raw=1.0, sglang=1.2, payload=1.1, device=0.9)]
+    argv = ["bench", "--hit", "--ablations", "sm", "--json-out", str(out_file)]
+    assert run_cli(argv, capsys)[0] == 0
+    hit = results.HIT_GEOMETRIES, results.HIT_PAGES, results.HIT_TOKENS, ["sm"]
+    assert fake_hit.calls == [(*hit, results.BENCH_REPEAT, ())]
+    written = json.loads(out_file.read_text())
+    assert written["device"] == "Fake GPU" and written["rows"][0]["missed"] == []
+    assert written["rows"][0]["ours_over"]["raw"] == pytest.approx(1.04)
+    argv = ["bench", "--hit", "--geometries", "1x128x80", "--pages", "4"]
+    assert run_cli([*argv, "--tokens", "64", "--beside", "decode"], capsys)[0] == 0
+    assert fake_hit.calls[-1][:3] == (((1, 128, 80),), (4,), (64,))
+    assert fake_hit.calls[-1][-1] == ("decode",)
+
+
+@pytest.mark.parametrize(
+    "ours, missed",
+    [
+        (1.05, []),
+        (1.06, ["raw<=1.05"]),
+        (1.25, ["raw<=1.05", "sglang<=1.0", "payload<=1.0"]),
+    ],
+)
+def test_hit_goals(ours, missed):
+    row = _hit_row(ours, raw=1.0, sglang=1.2, payload=1.1, device=0.9)
+    assert row.missed() == missed
+    assert _hit_row(ours).missed() == []  # nothing to compare with
+
+
+def test_bench_hit_check_exits_1_on_a_miss(fake_hit, capsys):
+    fake_hit.rows = [_hit_row(1.0, raw=1.0), _hit_row(1.2, raw=1.0)]
+    code, out, err = run_cli(["bench", "--hit", "--check"], capsys)
+    assert code == 1 and "Fake GPU" in out
+    assert err == "sglang-mxfp8-hicache bench: 1 of 2 cells miss their goal\n"
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--tokens", "64"], "--tokens is for --hit"),
+        (["--hit", "--setup", "draft"], "--setup is not for --hit"),
+        (["--hit", "--l3", "file"], "--l3 is not for --hit"),
+        (["--hit", "--beside", "gemm"], "--hit --beside: unknown loop(s) ['gemm']"),
+    ],
+)
+def test_bench_hit_refuses_other_flags(fake_hit, capsys, argv, said):
+    code, out, err = run_cli(["bench", *argv], capsys)
+    assert code == 2 and said in err

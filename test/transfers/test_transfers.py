@@ -17,7 +17,11 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang_mxfp8_hicache import releases, transfer
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
-from sglang_mxfp8_hicache.loads import doubling_layer_groups, load_layer_groups
+from sglang_mxfp8_hicache.loads import (
+    doubling_layer_groups,
+    even_layer_groups,
+    load_layer_groups,
+)
 from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
@@ -416,6 +420,30 @@ def test_layer_groups_carry_a_launch_worth_of_bytes():
             groups = load_layer_groups(layers, layer_bytes)
             assert [i for g in groups for i in g] == list(range(layers))
             assert groups[0] == range(0, 1) or groups == [range(layers)]
+
+
+def test_even_layer_groups_are_the_least_that_carry_the_minimum():
+    kib = 1024
+    # Each layer its own group once a layer carries the minimum.
+    assert even_layer_groups(32, 1 << 20) == [range(n, n + 1) for n in range(32)]
+    # Layer 0 alone, then equal groups (the last one shorter).
+    assert even_layer_groups(10, 300 * kib) == [
+        range(0, 1),
+        range(1, 5),
+        range(5, 9),
+        range(9, 10),
+    ]
+    assert even_layer_groups(80, 1 << 20, min_layers=4)[1:3] == [
+        range(1, 5),
+        range(5, 9),
+    ]
+    assert even_layer_groups(8, 20 * kib) == [range(0, 8)]
+    for layers in (1, 2, 3, 61, 80):
+        for layer_bytes in (1, 4 * kib, 300 * kib, 1 << 22):
+            groups = even_layer_groups(layers, layer_bytes)
+            assert [i for g in groups for i in g] == list(range(layers))
+            assert groups[0] == range(0, 1) or groups == [range(layers)]
+            assert len({len(g) for g in groups[1:-1]}) <= 1
 
 
 def _device_runs(device_pool, layers) -> torch.Tensor:
