@@ -42,6 +42,11 @@ CHOICES = {
     "load_even16": TransferChoice(
         layer_groups=functools.partial(even_layer_groups, min_group_bytes=16 << 20)
     ),
+    "load_even4": TransferChoice(
+        layer_groups=lambda n, b, *, min_layers: even_layer_groups(
+            n, b, min_group_bytes=16 << 20, min_layers=max(4, min_layers)
+        )
+    ),
     "load_mirror": TransferChoice(layer_groups=_mirror),
 }
 """How each ablation moves its pages (``MHATokenToKVPoolMXFP8Host.with_transfer``)."""
