@@ -1,13 +1,15 @@
 """Every environment variable the package reads: one frozen :class:`Settings`,
 read and checked once per process (:func:`current`), then handed to what uses
 it. :data:`VARIABLES` is the table of variables, their bounds and defaults
-(``docs/configuration.md``); a value outside them raises
+(``docs/configuration.md``); a value outside them, or a name with the
+package's prefix that is none of them (a misspelling), raises
 :class:`~sglang_mxfp8_hicache.errors.BlockScaledHiCacheConfigError` with one
-line naming the variable, the value and what it accepts.
+line naming the variable and what it should be.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import os
@@ -94,8 +96,10 @@ class Settings:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """The settings of ``environ`` (the process's by default); raises on
-        the first variable whose value it does not accept."""
+        a name with the package's prefix (in any case) that no variable has,
+        then on the first variable whose value it does not accept."""
         environ = os.environ if environ is None else environ
+        refuse_unknown_names(environ)
         values = {}
         for variable in VARIABLES:
             text = environ.get(variable.name, "").strip()
@@ -110,6 +114,25 @@ class Settings:
 
     def describe(self) -> str:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+
+def refuse_unknown_names(environ: Mapping[str, str]) -> None:
+    """Raises on the first name of ``environ`` (sorted) that starts with
+    :data:`PREFIX`, in any case, and is no variable's: a setting the operator
+    meant would otherwise stay at its default, silently. The error names the
+    closest variable."""
+    names = [variable.name for variable in VARIABLES]
+    for name in sorted(environ):
+        if name.upper().startswith(PREFIX) and name not in names:
+            closest = max(names, key=lambda known: _likeness(name.upper(), known))
+            raise BlockScaledHiCacheConfigError(
+                f"{name} is not a variable sglang-mxfp8-hicache reads: did you "
+                f"mean {closest}? Rename or unset it."
+            )
+
+
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 @functools.cache

@@ -24,8 +24,9 @@ first and must leave the controller as it was), the pages go to L3 through
 ``write_storage``, are evicted from L2 and the device is overwritten again,
 come back through ``prefetch`` (the hit query, the host allocation the radix
 cache makes, the prefetch I/O thread) and are loaded into yet other device pages.
-Mooncake's configuration comes from ``SGLANG_MXFP8_HICACHE_MOONCAKE`` (the JSON
-of ``--hicache-storage-backend-extra-config``).
+A backend's extra configuration (Mooncake's, SeaweedFS's, the ``dynamic``
+class's) comes from ``L3_CONFIG_ENV`` (the JSON of
+``--hicache-storage-backend-extra-config``).
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ MAMBA_SHAPE = dict(
     state_size=16,
     conv_kernel=4,
 )
-L3_CONFIG_ENV = "SGLANG_MXFP8_HICACHE_L3_CONFIG"
+L3_CONFIG_ENV = "MXFP8_HICACHE_E2E_L3_CONFIG"
 """The JSON of --hicache-storage-backend-extra-config for ``--l3``: needed for
 mooncake and seaweedfs (a running service) and dynamic (the class); file,
-hf3fs and nixl run locally without it (``tools.l3.local_backend``)."""
+hf3fs and nixl run locally without it (``tools.l3.local_backend``). Not
+under the package's prefix, whose names the settings refuse unless they read
+them."""
 REFUSED_ATTACH = "sim"
 L3_MODEL = "e2e-model"
 L3_TIMEOUT_S = 120

@@ -784,6 +784,24 @@ def test_check_refuses_a_bad_setting(monkeypatch, capsys, variable, value):
     )
 
 
+def test_check_refuses_a_misspelt_variable(monkeypatch, capsys):
+    """A name with the package's prefix that it does not read is one line
+    naming the closest variable, exit 2, before any step."""
+    monkeypatch.setenv("SGLANG_MXFP8_HICACHE_STAGING", "128")
+    monkeypatch.setattr(cli, "_fresh_process", lambda: pytest.fail("a step ran"))
+    settings.current.cache_clear()
+    try:
+        code, out, err = run_cli(["check"], capsys)
+    finally:
+        settings.current.cache_clear()
+    assert (code, out) == (2, "")
+    assert err == (
+        "sglang-mxfp8-hicache check: error: SGLANG_MXFP8_HICACHE_STAGING is not a "
+        "variable sglang-mxfp8-hicache reads: did you mean "
+        "SGLANG_MXFP8_HICACHE_STAGING_MB? Rename or unset it.\n"
+    )
+
+
 def _accepts(variable: str) -> str:
     [found] = [v for v in settings.VARIABLES if v.setting == variable.lower()]
     return found.accepts

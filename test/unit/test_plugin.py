@@ -373,6 +373,8 @@ BAD_SETTINGS = [
     ("SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES", "\u00b2"),
     ("SGLANG_MXFP8_HICACHE_DISABLE", "banana"),
 ]
+MISSPELT_SETTING = ("SGLANG_MXFP8_HICACHE_STAGING", "128")
+"""A name the package does not read: refused, naming the variable meant."""
 _RESOLVE_WITH_SETTING = """
 import json, os, sys
 from sglang.srt.plugins import load_plugins
@@ -396,8 +398,10 @@ for name, value in json.loads(sys.argv[1]):
 def test_bad_settings_refused_when_sglang_resolves_the_flags():
     """A variable's bad value stops a block-scaled launch with HiCache when
     SGLang resolves its arguments, before a model loads: one line naming the
-    variable, the value and what it accepts. A good value passes."""
-    cases = [*BAD_SETTINGS, ("SGLANG_MXFP8_HICACHE_SEAL_THREADS", "8")]
+    variable, the value and what it accepts; a misspelt name stops it too,
+    naming the closest variable. A good value passes."""
+    good = ("SGLANG_MXFP8_HICACHE_SEAL_THREADS", "8")
+    cases = [*BAD_SETTINGS, MISSPELT_SETTING, good]
     done = subprocess.run(
         [sys.executable, "-c", _RESOLVE_WITH_SETTING, json.dumps(cases)],
         capture_output=True,
@@ -405,10 +409,15 @@ def test_bad_settings_refused_when_sglang_resolves_the_flags():
         timeout=300,
         check=True,
     )
-    *refused, served = [json.loads(line) for line in done.stdout.splitlines()]
+    *refused, misspelt, served = [json.loads(line) for line in done.stdout.splitlines()]
     for (name, value), result in zip(BAD_SETTINGS, refused, strict=True):
         said = f"BlockScaledHiCacheConfigError: {name}={value!r} is not accepted: give"
         assert result.startswith(said) and "\n" not in result, result
+    assert misspelt == (
+        "BlockScaledHiCacheConfigError: SGLANG_MXFP8_HICACHE_STAGING is not a "
+        "variable sglang-mxfp8-hicache reads: did you mean "
+        "SGLANG_MXFP8_HICACHE_STAGING_MB? Rename or unset it."
+    )
     assert served is None
 
 

@@ -77,3 +77,30 @@ def test_read_once_per_process(monkeypatch):
     first = settings.current()
     monkeypatch.setenv("SGLANG_MXFP8_HICACHE_STAGING_MB", "32")
     assert settings.current() is first and first.staging_mb == 64
+
+
+@pytest.mark.parametrize(
+    ("given", "closest"),
+    [
+        ("SGLANG_MXFP8_HICACHE_STAGING", "SGLANG_MXFP8_HICACHE_STAGING_MB"),
+        ("SGLANG_MXFP8_HICACHE_DISABLED", "SGLANG_MXFP8_HICACHE_DISABLE"),
+        ("SGLANG_MXFP8_HICACHE_SEAL_THREAD", "SGLANG_MXFP8_HICACHE_SEAL_THREADS"),
+        ("SGLANG_MXFP8_HICACHE_L3_CHUNKS", "SGLANG_MXFP8_HICACHE_L3_CHUNK_PAGES"),
+        ("sglang_mxfp8_hicache_staging_mb", "SGLANG_MXFP8_HICACHE_STAGING_MB"),
+    ],
+)
+def test_misspelt_variable_refused_naming_the_closest(given, closest):
+    """A name with the package's prefix (in any case) that no variable has is
+    refused in one line naming the closest variable, even beside good ones."""
+    environ = {given: "128", "SGLANG_MXFP8_HICACHE_DISABLE": "0"}
+    with pytest.raises(BlockScaledHiCacheConfigError) as refused:
+        Settings.from_environ(environ)
+    assert str(refused.value) == (
+        f"{given} is not a variable sglang-mxfp8-hicache reads: did you mean "
+        f"{closest}? Rename or unset it."
+    )
+
+
+def test_other_variables_are_not_the_packages():
+    others = {"SGLANG_HICACHE_STAGING": "1", "MXFP8_HICACHE_X": "1", "HOME": "/"}
+    assert Settings.from_environ(others) == Settings.from_environ({})
