@@ -293,7 +293,7 @@ BAD_INPUTS = [
     bad("kv_heads_huge", size(kv_heads="99999"), "kv_heads", "over 4096"),
     bad(
         "host_tier_past_any_server",
-        size("--hicache-ratio", "1000", device_tokens=str(1 << 40)),
+        size("--hicache-ratio", "1000", device_tokens=str(10_000_000)),
         "TiB of host tier per node",
         "--hicache-ratio",
     ),

@@ -401,6 +401,18 @@ def test_cli_page_numbers_are_the_tools():
     assert f"`--ablations {ablations}`" in said
 
 
+def test_cli_page_size_bounds_are_the_planners():
+    from sglang_mxfp8_hicache.tools import sizing
+
+    said = " ".join((DOCS / "cli.md").read_text().split())
+    bounds = sizing.MODEL_BOUNDS
+    assert f"more than {bounds['layers']} layers or KV heads" in said
+    assert bounds["layers"] == bounds["kv_heads"]
+    assert f"a page of more than {sizing.MAX_PAGE_SIZE} tokens" in said
+    assert f"past {sizing.MAX_DEVICE_BYTES >> 40} TiB per rank" in said
+    assert f"past {sizing.MAX_NODE_HOST_BYTES >> 40} TiB per node" in said
+
+
 # docs/configuration.md
 
 

@@ -164,12 +164,31 @@ DENSE = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
     [
         (["--hicache-size", "1e30"], "--hicache-size: must be an integer >= 0"),
         (["--hicache-size", "0.5"], "--hicache-size: must be an integer >= 0"),
-        (["--hicache-size", "10000000"], "an integer >= 0 and <= 1000000, got"),
+        (["--hicache-size", "1000000"], "an integer >= 0 and <= 70368, got"),
         (["--hicache-ratio", "1e30"], "a finite number >= 0 and <= 1000, got"),
         (["--device-tokens", str(1 << 41)], f"<= {1 << 40}"),
+        (
+            ["--device-tokens", str(1 << 40)],
+            "74,309,394 GB of device pools per rank is more than any GPU holds",
+        ),
         (["--swa-full-tokens-ratio", "1.5"], "a finite number > 0 and <= 1, got"),
+        (["--page-size", "1000000000"], "an integer >= 1 and <= 65536, got"),
+        (
+            ["--kv-cache-dtype", "fp4_mx_block16", "--page-size", "4096"],
+            "--device-tokens 1000 is less than one page of --page-size 4096",
+        ),
     ],
-    ids=["size_1e30", "size_float", "size_huge", "ratio_huge", "tokens_huge", "swa"],
+    ids=[
+        "size_1e30",
+        "size_float",
+        "size_huge",
+        "ratio_huge",
+        "tokens_huge",
+        "device_bytes_huge",
+        "swa",
+        "page_size_huge",
+        "page_over_device_tokens",
+    ],
 )
 def test_absurd_values_are_one_line(capsys, flags, says):
     code, out, err = run_size([*DENSE, "--device-tokens", "1000", *flags], capsys)
@@ -195,6 +214,18 @@ def test_mamba_hicache_size_needs_its_slots(tmp_path, capsys):
     assert plan["mamba_state_bytes"] > 0
     # The KV pool gets less than the whole budget: the Mamba pool shares it.
     assert plan["pools"][0]["host_bytes"] < 8e9
+
+
+def test_mamba_slots_past_any_gpu_are_one_line(tmp_path, capsys):
+    path = _config_dir(
+        tmp_path, "Qwen3NextConfig", "Qwen3NextForCausalLM", full_attention_interval=4
+    )
+    argv = ["--config", str(path), "--device-tokens", "100000", "--hicache-size", "8"]
+    code, out, err = run_size([*argv, "--max-mamba-cache-size", "10000000"], capsys)
+    assert (code, out) == (2, "")
+    assert len(err.splitlines()) == 1, err
+    assert "GB of device pools per rank is more than any GPU holds" in err
+    assert "--max-mamba-cache-size" in err
 
 
 def test_small_host_tier_warns(capsys):

@@ -693,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-heads and --head-dim.",
     )
     arg("--kv-cache-dtype", choices=list(FORMATS), default="mxfp8", help="the format")
-    arg("--page-size", **count, default=sizing.PAGE_SIZE, help="tokens per page")
+    pages = dict(type=number(int, 1, sizing.MAX_PAGE_SIZE), metavar="N")
+    arg("--page-size", **pages, default=sizing.PAGE_SIZE, help="tokens per page")
     arg("--config", metavar="PATH", help="a model directory or any JSON config file")
     arg("--layers", **count, help="num_hidden_layers")
     arg("--kv-heads", **count, help="num_key_value_heads")
@@ -703,7 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--device-tokens", **tokens, help="the device (full) pool's tokens")
     ratio = f"host tokens per device token ({sizing.HICACHE_RATIO})"
     arg("--hicache-ratio", type=number(float, 0, 1000), metavar="R", help=ratio)
-    gb = dict(type=number(int, 0, 1_000_000), metavar="GB", default=0)
+    most_gb = sizing.MAX_NODE_HOST_BYTES // 10**9
+    gb = dict(type=number(int, 0, most_gb), metavar="GB", default=0)
     arg("--hicache-size", **gb, help="host GB (1e9 B) per rank; 0: use the ratio")
     layouts = dict(choices=SERVED_LAYOUTS, default="page_first")
     arg("--hicache-mem-layout", **layouts, help="page_head: no seals in a page")

@@ -49,6 +49,12 @@ HOST_MEMORY_RESERVE_BYTES = 10 << 30
 MAX_NODE_HOST_BYTES = 64 << 40
 """More host tier than any one server holds: a typo in the device tokens or
 the ratio."""
+MAX_DEVICE_BYTES = 1 << 40
+"""More KV cache than one GPU holds (the largest have 288 GB): a typo in the
+device tokens, the page size or the Mamba slots."""
+MAX_PAGE_SIZE = 1 << 16
+"""Tokens per page: four times SGLang's largest default chunked prefill
+(16384), which must be a whole number of pages."""
 
 
 class SizingError(ValueError):
@@ -350,6 +356,20 @@ def _size_shares(
     return [hicache_size_gb * b / sum(shares) for b in device_bytes]
 
 
+def _check_device_bytes(
+    model: ModelKV, device_bytes: list[int], max_mamba_cache_size: int | None
+) -> None:
+    """Refuses device pools (the Mamba state's included) that no GPU holds."""
+    total = sum(device_bytes)
+    total += ((max_mamba_cache_size or 0) + 1) * model.mamba_state_bytes
+    if total > MAX_DEVICE_BYTES:
+        raise SizingError(
+            f"{total / 1e9:,.0f} GB of device pools per rank is more than any GPU "
+            f"holds (the bound is {MAX_DEVICE_BYTES >> 40} TiB): check "
+            "--device-tokens, --page-size and --max-mamba-cache-size"
+        )
+
+
 def host_plan(
     model: ModelKV,
     *,
@@ -375,6 +395,12 @@ def host_plan(
     flags = HiCacheFlags(
         kv_cache_dtype=fmt.name, page_size=page_size, mem_layout=layout
     )
+    if device_tokens < page_size:
+        raise SizingError(
+            f"--device-tokens {device_tokens} is less than one page of "
+            f"--page-size {page_size}: SGLang rounds its pool down to whole pages "
+            "and stops on none"
+        )
     per_token = [_bytes_per_token(pool, flags) for pool in model.pools]
     # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.
     pool_tokens = [
@@ -387,6 +413,7 @@ def host_plan(
         (tokens + page_size) * (payload + scale)
         for tokens, (payload, scale, _) in zip(pool_tokens, per_token, strict=True)
     ]
+    _check_device_bytes(model, device_bytes, max_mamba_cache_size)
     shares = _size_shares(model, device_bytes, hicache_size_gb, max_mamba_cache_size)
     plans = []
     for pool, tokens, share, (payload, scale, seal) in zip(
