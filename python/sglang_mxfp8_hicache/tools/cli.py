@@ -3,19 +3,26 @@
 ``--help`` lists every flag. Bad input ends in one line on stderr and exit
 code 2, never a traceback: argparse types check each flag where it is parsed,
 ``sizing.SizingError`` a config.json or a geometry, :class:`UsageError` the rest.
+An output that cannot be written, Ctrl-C and SIGTERM end it in one line too
+(:func:`main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import functools
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -789,15 +796,70 @@ def build_parser() -> argparse.ArgumentParser:
 
 ONE_LINE_ERRORS = (UsageError, sizing.SizingError, BenchFailed, ConfigError)
 """What ends a command in one line (a bad setting, a refused setup included)."""
+WRITE_ERRORS = frozenset(
+    (errno.EPIPE, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+)
+"""An output that cannot be written: a closed pipe, a full disk or quota."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, as Ctrl-C raises
+    ``KeyboardInterrupt``: ``with`` blocks remove their temp folders and
+    ``subprocess.run`` ends its child. Not an ``Exception``, so that no step
+    reports it and goes on."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` inside the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> NoReturn:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _drop_unwritten_output() -> None:
+    """Points the process's stdout at /dev/null, so that the interpreter's
+    last flush of what could not be written fails no second time."""
+    if sys.stdout is sys.__stdout__ and sys.stdout is not None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs a command: its exit code, or one line on stderr for bad input (2),
+    lost pages (1), an output that cannot be written (1), Ctrl-C (130) or
+    SIGTERM (143)."""
     args = build_parser().parse_args(argv)
+    said = f"{PROG} {args.command}: error:"
     try:
-        return args.func(args)
+        with _sigterm_raises():
+            code = args.func(args)
+            sys.stdout.flush()
+        return code
     except ONE_LINE_ERRORS as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{said} {exc}", file=sys.stderr)
         return 1 if isinstance(exc, BenchFailed) else 2
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRORS:
+            raise
+        _drop_unwritten_output()
+        where = exc.filename or "stdout"
+        print(f"{said} cannot write to {where}: {exc.strerror}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Terminated:
+        print(f"{PROG} {args.command}: stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":
