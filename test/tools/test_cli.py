@@ -587,6 +587,30 @@ def test_help_lists_every_command(capsys):
         assert name in flat
 
 
+def test_bench_unknown_names_are_refused_before_torch_and_sglang():
+    """An unknown --setup, --ablations or --beside name is one line within a
+    second: torch and SGLang, seconds to import, are not imported for it."""
+    code = (
+        "import sys; from sglang_mxfp8_hicache.tools.cli import main\n"
+        "for flag in ('--setup', '--ablations', '--beside'):\n"
+        "    print(main(['bench', flag, 'nope']))\n"
+        "print(sorted({'sglang', 'torch'} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.splitlines() == ["2", "2", "2", "[]"], done.stderr
+    assert done.stderr.splitlines() == [
+        f"sglang-mxfp8-hicache bench: error: {flag}: unknown {kind}(s) ['nope']; "
+        f"known: {list(known)}"
+        for flag, kind, known in (
+            ("--setup", "setup", results.BENCH_SETUPS),
+            ("--ablations", "ablation", results.BENCH_ABLATIONS),
+            ("--beside", "loop", results.BESIDE_LOOPS),
+        )
+    ]
+
+
 def test_bench_needs_cuda_after_good_arguments(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, out, err = run_cli(

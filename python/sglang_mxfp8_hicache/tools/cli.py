@@ -414,6 +414,20 @@ def _refuse_mixed_flags(args: argparse.Namespace) -> None:
         raise UsageError("--l3-config names no master_server_address (MooncakeStore's)")
 
 
+def _refuse_unknown_names(args: argparse.Namespace) -> None:
+    """A ``--setup``, ``--ablations`` or ``--beside`` name that ``results``
+    does not list, refused before torch and SGLang are imported (seconds)."""
+    for flag, kind, given, known in (
+        ("--setup", "setup", _setup_names(args), results.BENCH_SETUPS),
+        ("--ablations", "ablation", args.ablations, results.BENCH_ABLATIONS),
+        ("--beside", "loop", args.beside, results.BESIDE_LOOPS),
+    ):
+        if unknown := sorted(set(given) - set(known)):
+            raise UsageError(
+                f"{flag}: unknown {kind}(s) {unknown}; known: {list(known)}"
+            )
+
+
 def _setup_names(args: argparse.Namespace) -> list[str]:
     return [name for group in args.setup or [("page_first",)] for name in group]
 
@@ -440,6 +454,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
         return 0
     _refuse_mixed_flags(args)
+    _refuse_unknown_names(args)
     if args.l3 is not None:
         return _bench_l3(args)
     bench = _import_quietly("sglang_mxfp8_hicache.tools.bench")
