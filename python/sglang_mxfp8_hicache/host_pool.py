@@ -57,7 +57,7 @@ class TransferChoice:
     """How a pool moves its pages (``mover`` None: ``transfer.choose_mover``'s)."""
 
     mover: transfer.MoverFactory | None = None
-    layer_groups: loads.LayerGroups = loads.load_layer_groups
+    layer_groups: loads.LayerGroups = loads.even_layer_groups
 
     def for_page(
         self, page: HostPage, staging_bytes: int, label: str

@@ -1,8 +1,15 @@
 """A load's layer groups: what each ``load_to_device_per_layer`` call issues.
 
-Layer 0 goes alone (the forward pass waits on it first), then doubling groups
-1 | 2-3 | 4-7 | ..., merged until each is worth its launch, each issued with
-the first of its layers the transfer loads.
+SGLang's controller calls a pool once per layer, records an event after each
+call, and the forward pass waits for layer i's event before its attention
+reads layer i. A layer's event covers the whole group issued with it, so a
+group of g layers lets the forward pass start none of them before all g are
+in: the last group's layers are computed after the load's last byte. Layer 0
+goes alone (the forward pass waits on it first), then groups of equal length,
+the fewest layers that carry ``MIN_LOAD_GROUP_BYTES`` of the transfer: a
+load of that much per layer is ready layer by layer, a smaller one (which the
+forward pass outruns less) in fewer calls, each of which the CPU issues
+before the forward pass is launched.
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ if TYPE_CHECKING:
     from sglang_mxfp8_hicache.page import HostPage
     from sglang_mxfp8_hicache.transfer import PageChunkMover
 
-MIN_LOAD_GROUP_BYTES = 1 << 20
-"""The least a group after layer 0 carries: less gains less than its launch costs."""
+MIN_LOAD_GROUP_BYTES = 16 << 20
+"""The least a group after layer 0 carries: a smaller one costs more CPU time
+to issue (and the copy engines' per-copy cost) than its layers' earlier start
+saves."""
 ONE_LAUNCH_BYTES = 256 << 10
 """A load whose layers after layer 0 carry less moves in one launch."""
 
@@ -24,41 +33,6 @@ LayerGroups = Callable[..., list[range]]
 Group = tuple[object, int]
 """A layer group as the mover prepared it, and its number of layers."""
 _Plan = tuple[list[Group], dict[int, int]]  # the groups, the group of each layer
-
-
-def doubling_layer_groups(layer_num: int) -> list[range]:
-    """Layers 0 | 1 | 2-3 | 4-7 | ..."""
-    starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
-    return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
-
-
-def load_layer_groups(
-    layer_num: int,
-    layer_bytes: int,
-    min_group_bytes: int = MIN_LOAD_GROUP_BYTES,
-    one_launch_bytes: int = ONE_LAUNCH_BYTES,
-    min_layers: int = 1,
-) -> list[range]:
-    """Layer 0, then the doubling groups, each merged on until it carries
-    ``min_group_bytes`` and ``min_layers`` (a short last group joins the one
-    before); one group if layers 1.. carry under ``one_launch_bytes``."""
-    if (layer_num - 1) * layer_bytes < one_launch_bytes:
-        return [range(layer_num)]
-
-    def short(group: range) -> bool:
-        return len(group) * layer_bytes < min_group_bytes or len(group) < min_layers
-
-    first, *rest = doubling_layer_groups(layer_num)
-    merged: list[range] = []
-    for group in rest:
-        if merged and short(merged[-1]):
-            merged[-1] = range(merged[-1].start, group.stop)
-        else:
-            merged.append(group)
-    if len(merged) > 1 and short(merged[-1]):
-        tail = merged.pop()
-        merged[-1] = range(merged[-1].start, tail.stop)
-    return [first, *merged]
 
 
 def even_layer_groups(
@@ -98,7 +72,7 @@ class LoadPlanner:
         pieces = -(-mover.min_piece_bytes // layer_piece)
         self._min_layers = 1 if page.heads_major else max(1, pieces)
         self._layer_bytes = page.span_bytes // page.layer_num
-        # From this many pages on, every doubling group carries the minimum.
+        # From this many pages on, each layer carries the minimum: one plan.
         self._full_pages = -(-MIN_LOAD_GROUP_BYTES // self._layer_bytes)
         self._plans: dict[int, _Plan] = {}
         self._drafts = {

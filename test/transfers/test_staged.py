@@ -19,7 +19,7 @@ from sglang_mxfp8_hicache import plugin, settings, transfer
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.geometry import FORMATS, ScaleGeometry
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
-from sglang_mxfp8_hicache.loads import load_layer_groups
+from sglang_mxfp8_hicache.loads import even_layer_groups
 from sglang_mxfp8_hicache.page import PARTS, HostPage
 from sglang_mxfp8_hicache.tools.pools import fill_random, page_token_indices
 from testkit import metrics as counted
@@ -154,8 +154,8 @@ def test_transfers_fill_a_slot_before_entering_the_other(
                 ]
             )
     if kernels:
-        assert entered[0] == [(0, True)] + [(0, False)] * 3
-        assert entered[1] == [(0, False)] * 4
+        assert entered[0] == [(0, True), (0, False)]
+        assert entered[1] == [(0, False)] * 2
         assert (1, True) in entered[2] and (0, True) not in entered[2]
 
 
@@ -188,19 +188,18 @@ def test_no_staging_moves_by_sm_copies(make_pools, monkeypatch):
 
 def test_groups_hold_layers_enough_for_the_copy_engines():
     """One KV head of 128 at 128 tokens is 17 KiB per layer and side: pieces
-    of 64 KiB need four layers, so a 16-page load after layer 0 goes as
-    layers 1-7, then the doubling groups."""
-    layer = 16 * 34 << 10
-    assert load_layer_groups(8, layer, min_layers=4) == [range(0, 1), range(1, 8)]
-    assert load_layer_groups(80, layer, min_layers=4) == [
+    of 64 KiB need four layers, so a 16-page load's groups after layer 0 are
+    four layers long where fewer would carry the bytes."""
+    layer, mib = 16 * 34 << 10, 1 << 20
+    assert even_layer_groups(8, layer, mib, min_layers=4) == [
         range(0, 1),
-        range(1, 8),
-        range(8, 16),
-        range(16, 32),
-        range(32, 64),
-        range(64, 80),
+        range(1, 5),
+        range(5, 8),
     ]
-    assert load_layer_groups(8, layer, min_layers=1) == load_layer_groups(8, layer)
+    assert even_layer_groups(8, layer, mib, min_layers=1) == [
+        range(0, 1),
+        *(range(n, min(n + 2, 8)) for n in range(1, 8, 2)),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -208,7 +207,7 @@ def test_groups_hold_layers_enough_for_the_copy_engines():
     [
         (8, 4, 7, "page_first", "mxfp8", 0, None),
         (1, 3, 40, "page_first", "mxfp8", 0, None),
-        (8, 13, 9, "page_first", "mxfp8", 0, None),  # groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (8, 13, 9, "page_first", "mxfp8", 0, None),  # groups 0 | 1-7 | 8-12
         (8, 4, 9, "page_first", "mxfp8", 2, None),  # packed drafts
         (8, 4, 9, "layer_first", "mxfp8", 0, None),
         (4, 3, 9, "page_head", "mxfp8", 0, None),  # whole spans only

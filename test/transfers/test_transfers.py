@@ -17,12 +17,12 @@ from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang_mxfp8_hicache import releases, transfer
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
-from sglang_mxfp8_hicache.loads import (
+from sglang_mxfp8_hicache.loads import even_layer_groups
+from sglang_mxfp8_hicache.tools.ablations import (
+    ABLATIONS,
     doubling_layer_groups,
-    even_layer_groups,
-    load_layer_groups,
+    doubling_load_groups,
 )
-from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
 from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
     PayloadOnlyHost,
@@ -47,7 +47,7 @@ def assert_exact(result) -> None:
         (1, 128, 3, 200),
         (1, 128, 2, 300),  # three launches of at most 128 pages by value
         (8, 128, 4, 64),
-        (8, 128, 13, 5),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (8, 128, 13, 5),  # layer 0, then one group
         (32, 128, 2, 67),
         (8, 256, 2, 70),
         (7, 128, 3, 9),
@@ -84,7 +84,7 @@ FP4_FORMATS = ["fp4_mx_block16", "nvfp4"]
         (1, 3, 9, 0, "page_first", 128),  # 64 B payload rows: one head per rank
         (3, 2, 9, 1, "page_first", 128),  # 192 B payload rows: 3 heads per rank
         (8, 4, 64, 0, "page_first", 128),
-        (4, 13, 5, 0, "page_first", 128),  # layer groups 0 | 1 | 2-3 | 4-7 | 8-12
+        (4, 13, 5, 0, "page_first", 128),  # layer 0, then one group
         (2, 2, 300, 0, "page_first", 128),
         (16, 2, 9, 0, "page_first_direct", 128),
         (8, 4, 5, 2, "page_first", 128),  # packed MTP/NextN drafts
@@ -388,36 +388,36 @@ def test_layer_groups_double():
     assert groups[-1] == range(64, 80)
 
 
-def test_layer_groups_carry_a_launch_worth_of_bytes():
+def test_doubling_groups_carry_a_launch_worth_of_bytes():
     kib = 1024
     # Large loads: the doubling groups.
-    assert load_layer_groups(80, 1 << 20, min_group_bytes=1 << 20) == (
+    assert doubling_load_groups(80, 1 << 20, min_group_bytes=1 << 20) == (
         doubling_layer_groups(80)
     )
     # Layer 0, then the rest at once; all at once if the rest is that small.
-    assert load_layer_groups(8, 66 * kib, min_group_bytes=1 << 20) == [
+    assert doubling_load_groups(8, 66 * kib, min_group_bytes=1 << 20) == [
         range(0, 1),
         range(1, 8),
     ]
-    assert load_layer_groups(
+    assert doubling_load_groups(
         8, 33 * kib, min_group_bytes=1 << 20, one_launch_bytes=256 * kib
     ) == [range(0, 8)]
     # Groups merge until they carry the minimum; a short tail joins the last.
-    assert load_layer_groups(80, 33 * kib, min_group_bytes=512 * kib) == [
+    assert doubling_load_groups(80, 33 * kib, min_group_bytes=512 * kib) == [
         range(0, 1),
         range(1, 32),
         range(32, 64),
         range(64, 80),
     ]
-    assert load_layer_groups(80, 20 * kib, min_group_bytes=512 * kib) == [
+    assert doubling_load_groups(80, 20 * kib, min_group_bytes=512 * kib) == [
         range(0, 1),
         range(1, 32),
         range(32, 80),
     ]
-    assert load_layer_groups(1, 1 << 30) == [range(0, 1)]
+    assert doubling_load_groups(1, 1 << 30) == [range(0, 1)]
     for layers in (1, 2, 3, 61, 80):
         for layer_bytes in (1, 4 * kib, 300 * kib, 1 << 22):
-            groups = load_layer_groups(layers, layer_bytes)
+            groups = doubling_load_groups(layers, layer_bytes)
             assert [i for g in groups for i in g] == list(range(layers))
             assert groups[0] == range(0, 1) or groups == [range(layers)]
 

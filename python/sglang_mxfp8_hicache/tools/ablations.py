@@ -7,29 +7,47 @@ import functools
 
 from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
-from sglang_mxfp8_hicache.loads import (
-    doubling_layer_groups,
-    even_layer_groups,
-    load_layer_groups,
-)
+from sglang_mxfp8_hicache.loads import ONE_LAUNCH_BYTES, even_layer_groups
+
+DOUBLING_GROUP_BYTES = 1 << 20
+"""The least a doubling group carries (``load_doubling``)."""
 
 
-def _doubling(layer_num: int, layer_bytes: int, *, min_layers: int) -> list[range]:
-    """Doubling layer groups at every load size, however few bytes each carries."""
-    return doubling_layer_groups(layer_num)
+def doubling_layer_groups(layer_num: int) -> list[range]:
+    """Layers 0 | 1 | 2-3 | 4-7 | ..."""
+    starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
+    return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
 
 
-def _mirror(layer_num: int, layer_bytes: int, *, min_layers: int) -> list[range]:
-    """Doubling groups over the first half of layers 1.., halving over the rest."""
-    rest = layer_num - 1
-    front = load_layer_groups(1 + rest - rest // 2, layer_bytes, min_layers=min_layers)
-    back = load_layer_groups(1 + rest // 2, layer_bytes, min_layers=min_layers)[1:]
-    end = layer_num
-    mirrored = []
-    for group in back:
-        mirrored.append(range(end - len(group), end))
-        end -= len(group)
-    return front + mirrored[::-1]
+def doubling_load_groups(
+    layer_num: int,
+    layer_bytes: int,
+    min_group_bytes: int = DOUBLING_GROUP_BYTES,
+    one_launch_bytes: int = ONE_LAUNCH_BYTES,
+    min_layers: int = 1,
+) -> list[range]:
+    """Layer 0, then the doubling groups, each merged on until it carries
+    ``min_group_bytes`` and ``min_layers`` (a short last group joins the one
+    before); one group if layers 1.. carry under ``one_launch_bytes``: the
+    fewest calls, and the forward pass waits for the last group, half the
+    layers, before computing any of them."""
+    if (layer_num - 1) * layer_bytes < one_launch_bytes:
+        return [range(layer_num)]
+
+    def short(group: range) -> bool:
+        return len(group) * layer_bytes < min_group_bytes or len(group) < min_layers
+
+    first, *rest = doubling_layer_groups(layer_num)
+    merged: list[range] = []
+    for group in rest:
+        if merged and short(merged[-1]):
+            merged[-1] = range(merged[-1].start, group.stop)
+        else:
+            merged.append(group)
+    if len(merged) > 1 and short(merged[-1]):
+        tail = merged.pop()
+        merged[-1] = range(merged[-1].start, tail.stop)
+    return [first, *merged]
 
 
 CHOICES = {
@@ -37,17 +55,12 @@ CHOICES = {
     "sm": TransferChoice(mover=transfer.PageChunkKernel),
     # SGLang's JIT kernel over page numbers: the path when ours does not build.
     "fallback": TransferChoice(mover=transfer.SGLangChunkKernels),
-    "load_doubling": TransferChoice(layer_groups=_doubling),
-    "load_even": TransferChoice(layer_groups=even_layer_groups),
-    "load_even16": TransferChoice(
-        layer_groups=functools.partial(even_layer_groups, min_group_bytes=16 << 20)
+    # Doubling layer groups: a load in 1 + log2(layers) calls.
+    "load_doubling": TransferChoice(layer_groups=doubling_load_groups),
+    # Each layer its own group from 1 MiB: ready layer by layer, more calls.
+    "load_per_layer": TransferChoice(
+        layer_groups=functools.partial(even_layer_groups, min_group_bytes=1 << 20)
     ),
-    "load_even4": TransferChoice(
-        layer_groups=lambda n, b, *, min_layers: even_layer_groups(
-            n, b, min_group_bytes=16 << 20, min_layers=max(4, min_layers)
-        )
-    ),
-    "load_mirror": TransferChoice(layer_groups=_mirror),
 }
 """How each ablation moves its pages (``MHATokenToKVPoolMXFP8Host.with_transfer``)."""
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {
