@@ -45,14 +45,7 @@ class Dispatch(msgspec.Struct, frozen=True):
     hooks: tuple[HookState, ...]
 
 
-BENCH_ABLATIONS = (
-    "sm",
-    "fallback",
-    "load_doubling",
-    "load_even",
-    "load_even16",
-    "load_mirror",
-)
+BENCH_ABLATIONS = ("sm", "fallback", "load_doubling", "load_per_layer")
 """What ``bench --ablations`` takes (``ablations.ABLATIONS``)."""
 BESIDE_LOOPS = ("gemm", "hbm", "decode", "prefill")
 """What ``bench --beside`` runs on the main stream (``bench.beside_loops``)."""
