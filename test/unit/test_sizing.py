@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,35 @@ def test_hybrid_swa_model_has_full_and_swa_pools():
         ("swa", 18, 2),
     ]
     assert model.pools[1].token_ratio == 0.8
+
+
+@pytest.mark.parametrize(
+    ("kind", "left"), [("full_attention", "full"), ("sliding_attention", "swa")]
+)
+def test_hybrid_swa_of_one_layer_kind_has_one_pool(tmp_path, kind, left):
+    """gpt-oss with every layer of one kind: the other pool has no layers,
+    and no host tier to plan (not a pool of seal bytes only)."""
+    config = json.loads(GPT_OSS_120B.read_text())
+    config["layer_types"] = [kind] * config["num_hidden_layers"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    model = read_model(path, tp_size=4)
+    assert [(p.name, p.layers) for p in model.pools] == [(left, 36)]
+    other = {"full": "swa", "swa": "full"}[left]
+    assert model.source == f"GptOssForCausalLM (hybrid SWA: no {other} layers)"
+
+
+def test_config_without_model_type_is_reported_under_its_own_path(tmp_path):
+    """transformers names the folder it read, the copy's temp folder: the
+    error names the user's file instead."""
+    path = tmp_path / "no-type.json"
+    path.write_text(json.dumps({"num_hidden_layers": 2, "hidden_size": 256}))
+    with pytest.raises(SizingError) as refused:
+        read_model(path, tp_size=1)
+    said = str(refused.value)
+    assert said.startswith(f"{path}: SGLang's ModelConfig cannot read it"), said
+    assert f"Unrecognized model in {path}" in said, said
+    assert tempfile.gettempdir() not in said.replace(str(tmp_path), ""), said
 
 
 def test_mamba_hybrid_has_only_full_attention_layers(tmp_path):

@@ -141,21 +141,23 @@ def read_model(
         raise SizingError(
             f"{config_file}: expected a JSON object, got a {type(config).__name__}"
         )
-    try:
-        with tempfile.TemporaryDirectory() as model_dir:
-            kv_config = _without_weight_quantization(config)
-            (Path(model_dir) / "config.json").write_text(json.dumps(kv_config))
+    with tempfile.TemporaryDirectory() as model_dir:
+        copy = Path(model_dir) / "config.json"
+        try:
+            copy.write_text(json.dumps(_without_weight_quantization(config)))
             return _read_model_config(
                 Path(model_dir), config, tp_size, swa_full_tokens_ratio
             )
-    except SizingError as exc:
-        raise SizingError(f"{config_file}: {exc}") from None
-    except Exception as exc:  # SGLang's and transformers' own complaints
-        said = between_words(str(exc), 300)
-        raise SizingError(
-            f"{config_file}: SGLang's ModelConfig cannot read it "
-            f"({type(exc).__name__}: {said})"
-        ) from None
+        except SizingError as exc:
+            raise SizingError(f"{config_file}: {exc}") from None
+        except Exception as exc:  # SGLang's and transformers' own complaints
+            # They name the copy's folder, which the user never made.
+            said = str(exc).replace(str(copy), str(config_file))
+            said = between_words(said.replace(model_dir, str(config_file)), 300)
+            raise SizingError(
+                f"{config_file}: SGLang's ModelConfig cannot read it "
+                f"({type(exc).__name__}: {said})"
+            ) from None
 
 
 def between_words(text: str, limit: int) -> str:
@@ -227,7 +229,10 @@ def _read_model_config(
                 KVPool("full", len(model.full_attention_layer_ids), heads, *dims),
                 KVPool("swa", len(model.swa_attention_layer_ids), *swa),
             )
-            return ModelKV(pools, source=f"{arch} (hybrid SWA)")
+            # A layer kind the config never uses leaves its pool empty: no host tier.
+            empty = "".join(f": no {p.name} layers" for p in pools if not p.layers)
+            pools = tuple(p for p in pools if p.layers)
+            return ModelKV(pools, source=f"{arch} (hybrid SWA{empty})")
         mamba = mambaish_config(model)
         if mamba is not None:
             layers = len(mamba.full_attention_layer_ids)
