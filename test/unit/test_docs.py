@@ -187,6 +187,28 @@ def test_readme_log_line_is_the_pools(make_pools, caplog):
     assert logged[0].startswith(quoted[0].removesuffix("...").rstrip()), logged[0]
 
 
+def test_readme_metrics_are_the_pools():
+    """The README names each metric in full as ``/metrics`` shows it, and
+    every value of its labels."""
+    from sglang_mxfp8_hicache import metrics
+
+    said = " ".join(_section(README.read_text(), "## Metrics").split())
+    spans = set(_spans(said))
+    for family in metrics._families().values():
+        name = family._name + ("_total" if family._type == "counter" else "")
+        labels = [label for label in family._labelnames if label != "tp_rank"]
+        if "pool" in labels:
+            labels.remove("pool")
+            shown = f"{name}{{{','.join(labels)}}}" if labels else name
+        else:
+            shown = f"{name}{{tp_rank}}"
+        assert shown in spans, shown
+    values = (*metrics.MISS_REASONS, *metrics.PATHS, "load", "backup")
+    values += ("kv", "full", "swa", "draft", "draft_swa")
+    assert not [value for value in values if value not in spans]
+    assert "`http://HOST:PORT/metrics`" in said
+
+
 # Every page: links, paths, commands
 
 
@@ -516,6 +538,32 @@ def test_configuration_lists_every_flag_refused():
         f.name for f in dataclasses.fields(ServerArgs)
     ]
     assert not {f for f in flags if f[2:].replace("-", "_") not in fields}
+
+
+def test_configuration_layouts_are_sglangs_choices():
+    """The layouts the pool serves and refuses are choices of SGLang's own
+    ``--hicache-mem-layout``; the one said to be no choice of it is none."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_mxfp8_hicache import releases
+    from sglang_mxfp8_hicache.refusals import SERVED_LAYOUTS
+
+    if releases.sglang_version() != releases.NEWEST:
+        pytest.skip(f"SGLang's choices are checked on {releases.NEWEST}")
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    [action] = [
+        a for a in parser._actions if "--hicache-mem-layout" in a.option_strings
+    ]
+    rows = _table(_section((DOCS / "configuration.md").read_text(), "## SGLang flags"))
+    [row] = [row for row in rows if _code(row[0]) == ["--hicache-mem-layout"]]
+    refused, internal = row[2].split(";")
+    assert set(_code(row[1])) == set(SERVED_LAYOUTS)
+    assert set(_code(row[1]) + _code(refused)) == set(action.choices)
+    assert _code(internal) and not set(_code(internal)) & set(action.choices)
+    assert "no choice of its CLI" in internal
 
 
 def test_staging_and_fp4_figures_are_the_code():
