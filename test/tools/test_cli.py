@@ -758,6 +758,17 @@ def test_check_command():
     assert progress == [f"{name}: {step['status']}" for name, step in steps.items()]
 
 
+def test_check_says_how_to_reinstall_a_missing_entry_point(monkeypatch):
+    """The package is on no index: the hint names the clone and its wheel."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
+    status, detail = cli._check_entry_point()
+    assert status == cli.FAIL
+    assert "pip install sglang-mxfp8-hicache" not in detail
+    assert "from its clone (pip install .) or its wheel" in detail
+
+
 def _hook(short: str, in_force: bool, pages_wrong: bool = False) -> HookState:
     return HookState(f"sglang.srt.x.{short}", in_force, f"{short}'s cost", pages_wrong)
 

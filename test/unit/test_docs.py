@@ -124,10 +124,35 @@ def test_readme_install_works_from_any_clone_and_as_root():
     install = _section(README.read_text(), "## Install")
     assert "cd sglang-mxfp8-hicache" not in install
     assert "root shell" in install
-    lines = [line.strip() for line in _blocks(install)]
+    lines = [line.split(" #", 1)[0].strip() for line in _blocks(install)]
     update = lines.index("sudo apt-get update")
+    assert lines.index("sudo apt-get install -y python3-venv") > update
     assert lines.index("sudo apt-get install -y libibverbs1") > update
-    assert 'pip install -e ".[test]" "sglang==0.5.23"' in install
+    clone = lines.index('git clone "$REPO_URL" mxfp8-hicache && cd mxfp8-hicache')
+    assert lines.index("python3 -m venv .venv && . .venv/bin/activate") > clone
+    assert 'pip install . "sglang==0.5.23"' in lines
+    assert 'pip install -e ".[test]" "sglang==0.5.23"' in lines
+
+
+def test_readme_install_names_the_extras_and_the_wheel():
+    """The plain install needs no extra; the README says what each extra
+    adds (pyproject.toml's lists) and names the wheel a build makes."""
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    install = " ".join(_section(README.read_text(), "## Install").split())
+    extras = pyproject["project"]["optional-dependencies"]
+    named = {"mooncake": "Mooncake", "nixl": "NIXL", "seaweedfs": "SeaweedFS"}
+    for requirement in extras["test"]:
+        package = re.split(r"[=<>\[]", requirement, maxsplit=1)[0]
+        word = next((w for k, w in named.items() if package.startswith(k)), package)
+        assert word in install, requirement
+    for requirement in set(extras["dev"]) - set(extras["test"]):
+        assert requirement.split("=")[0] in install, requirement
+    project = pyproject["project"]
+    wheel = f"{project['name'].replace('-', '_')}-{project['version']}-py3-none-any"
+    assert f"`dist/{wheel}.whl`" in install
+    assert "`pip wheel --no-deps -w dist .`" in install
 
 
 def test_readme_releases_are_the_served_ones():

@@ -85,7 +85,10 @@ def _check_entry_point() -> tuple[str, str]:
     values = {ep.value for ep in entry_points(group="sglang.srt.plugins")}
     if "sglang_mxfp8_hicache.plugin:register" in values:
         return OK, "sglang.srt.plugins: mxfp8_hicache"
-    return FAIL, "entry point missing: reinstall with pip install sglang-mxfp8-hicache"
+    return FAIL, (
+        "entry point missing: reinstall the package into this environment, "
+        "from its clone (pip install .) or its wheel"
+    )
 
 
 def print_dispatch() -> None:
