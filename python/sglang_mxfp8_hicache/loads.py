@@ -1,15 +1,10 @@
 """A load's layer groups: what each ``load_to_device_per_layer`` call issues.
 
-SGLang's controller calls a pool once per layer, records an event after each
-call, and the forward pass waits for layer i's event before its attention
-reads layer i. A layer's event covers the whole group issued with it, so a
-group of g layers lets the forward pass start none of them before all g are
-in: the last group's layers are computed after the load's last byte. Layer 0
-goes alone (the forward pass waits on it first), then groups of equal length,
-the fewest layers that carry ``MIN_LOAD_GROUP_BYTES`` of the transfer: a
-load of that much per layer is ready layer by layer, a smaller one (which the
-forward pass outruns less) in fewer calls, each of which the CPU issues
-before the forward pass is launched.
+The controller records an event after each layer's call, and the forward pass
+waits for it; a layer's event covers its whole group, whose layers are then
+computed after the group's last byte. Layer 0 goes alone, then groups of
+equal length: one layer each from ``MIN_LOAD_GROUP_BYTES`` a layer, fewer
+calls (CPU time before the forward pass is launched) below.
 """
 
 from __future__ import annotations
@@ -22,9 +17,7 @@ if TYPE_CHECKING:
     from sglang_mxfp8_hicache.transfer import PageChunkMover
 
 MIN_LOAD_GROUP_BYTES = 16 << 20
-"""The least a group after layer 0 carries: a smaller one costs more CPU time
-to issue (and the copy engines' per-copy cost) than its layers' earlier start
-saves."""
+"""The least a group after layer 0 carries: a smaller one's call costs more."""
 ONE_LAUNCH_BYTES = 256 << 10
 """A load whose layers after layer 0 carry less moves in one launch."""
 
@@ -42,15 +35,13 @@ def even_layer_groups(
     one_launch_bytes: int = ONE_LAUNCH_BYTES,
     min_layers: int = 1,
 ) -> list[range]:
-    """Layer 0, then groups of equal length, the least that carries
-    ``min_group_bytes`` and ``min_layers``; one group if layers 1.. carry
-    under ``one_launch_bytes``."""
+    """Layer 0, then equal groups of the fewest layers that carry ``min_group_bytes``
+    and ``min_layers``; one group if layers 1.. carry under ``one_launch_bytes``."""
     if (layer_num - 1) * layer_bytes < one_launch_bytes:
         return [range(layer_num)]
     size = max(min_layers, -(-min_group_bytes // max(1, layer_bytes)))
-    return [range(1)] + [
-        range(a, min(a + size, layer_num)) for a in range(1, layer_num, size)
-    ]
+    starts = range(1, layer_num, size)
+    return [range(1), *(range(a, min(a + size, layer_num)) for a in starts)]
 
 
 class LoadPlanner:

@@ -117,22 +117,17 @@ class Settings:
 
 
 def refuse_unknown_names(environ: Mapping[str, str]) -> None:
-    """Raises on the first name of ``environ`` (sorted) that starts with
-    :data:`PREFIX`, in any case, and is no variable's: a setting the operator
-    meant would otherwise stay at its default, silently. The error names the
-    closest variable."""
+    """Raises on the first name (sorted) with :data:`PREFIX`, in any case, that
+    is no variable's (a misspelt setting stays at its default, silently),
+    naming the closest variable."""
     names = [variable.name for variable in VARIABLES]
     for name in sorted(environ):
         if name.upper().startswith(PREFIX) and name not in names:
-            closest = max(names, key=lambda known: _likeness(name.upper(), known))
+            [closest] = difflib.get_close_matches(name.upper(), names, 1, cutoff=0)
             raise BlockScaledHiCacheConfigError(
                 f"{name} is not a variable sglang-mxfp8-hicache reads: did you "
                 f"mean {closest}? Rename or unset it."
             )
-
-
-def _likeness(a: str, b: str) -> float:
-    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 @functools.cache

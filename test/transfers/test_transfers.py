@@ -423,17 +423,21 @@ def test_doubling_groups_carry_a_launch_worth_of_bytes():
 
 
 def test_even_layer_groups_are_the_least_that_carry_the_minimum():
-    kib = 1024
-    # Each layer its own group once a layer carries the minimum.
-    assert even_layer_groups(32, 1 << 20) == [range(n, n + 1) for n in range(32)]
+    kib, mib = 1024, 1 << 20
+    # Each layer its own group once a layer carries the minimum (16 MiB).
+    assert even_layer_groups(32, 16 * mib) == [range(n, n + 1) for n in range(32)]
+    assert even_layer_groups(32, 4 * mib) == [
+        range(0, 1),
+        *map(range, (1, 5, 9, 13, 17, 21, 25, 29), (5, 9, 13, 17, 21, 25, 29, 32)),
+    ]
     # Layer 0 alone, then equal groups (the last one shorter).
-    assert even_layer_groups(10, 300 * kib) == [
+    assert even_layer_groups(10, 300 * kib, mib) == [
         range(0, 1),
         range(1, 5),
         range(5, 9),
         range(9, 10),
     ]
-    assert even_layer_groups(80, 1 << 20, min_layers=4)[1:3] == [
+    assert even_layer_groups(80, mib, mib, min_layers=4)[1:3] == [
         range(1, 5),
         range(5, 9),
     ]
