@@ -1,22 +1,13 @@
-"""A cache hit's time to first token, as SGLang's forward pass consumes it.
-
-SGLang's controller issues a hit's loads layer by layer on its load stream,
-an event recorded after each layer (``L2TransferEngine.submit_host_to_device``
-with ``LayerLoadingEvent.complete``), and the forward pass waits for layer
-i's event when its attention reads layer i's KV (``wait_until``). Here the
-same engine issues each host pool's loads, and the forward pass is a
-Llama-8B-like decoder layer at M new tokens (``bench.LAYER_GEMMS``) whose
-attention stand-in reads the layer's loaded pages. The time to first token
-runs from the hit's start event to the forward's end on the compute stream.
-``raw`` loads each layer's bytes (payload and scales) with one contiguous
-pinned copy on the load stream, ``device`` is the same hit with its pages
-already on the GPU (no loads). ``beside``: another batch decodes on a third
-stream meanwhile.
-"""
+"""A cache hit's time to first token, its loads issued as SGLang's controller
+issues them (``L2TransferEngine.submit_host_to_device``, an event after each
+layer) and a forward pass waiting for each layer's event (``wait_until``):
+from the hit's start event to the forward's end on the compute stream.
+``raw``: one pinned copy of each layer's bytes; ``device``: no loads."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import statistics
 import time
@@ -36,15 +27,13 @@ from sglang_mxfp8_hicache.tools.pools import (
 from sglang_mxfp8_hicache.tools.results import HitRow
 
 Loads = Callable[[torch.cuda.Event, list[torch.cuda.Event]], None]
-"""Issues a hit's loads after the start event, recording layer i's event
-once layer i is on the GPU."""
+"""Issues a hit's loads after the start event, layer i's event after layer i."""
 
 
 class Forward:
-    """The forward pass of a hit of ``tokens`` new tokens over the cached
-    ``device_pages``: per layer the QKV GEMM, the wait for the layer's load,
-    an attention stand-in that reads every byte of the layer's pages (payload
-    and scales, K and V), then the O, gate/up and down GEMMs."""
+    """A Llama-8B-like forward pass at ``tokens`` new tokens: per layer the QKV
+    GEMM, the wait for its load, an attention stand-in reading every byte of
+    the layer's ``device_pages``, then the O, gate/up and down GEMMs."""
 
     def __init__(self, device_pool, device_pages: torch.Tensor, tokens: int) -> None:
         device = device_pool.device
@@ -66,8 +55,7 @@ class Forward:
         self.layers = len(self._kv)
 
     def run(self, ready: list[torch.cuda.Event] | None, waits: list) -> None:
-        """Every layer on the current stream; ``waits[i]``: events around
-        layer i's wait for ``ready[i]`` (none without loads)."""
+        """Every layer; ``waits[i]``: events around layer i's wait for ``ready[i]``."""
         stream = torch.cuda.current_stream()
         (x_qkv, *x_rest), (w_qkv, *w_rest) = self._inputs, self._weights
         for layer, (before, after) in enumerate(waits):
@@ -83,8 +71,7 @@ class Forward:
 
 
 def engine_loads(host_pool, device_pool, host_indices, device_indices) -> Loads:
-    """The pool's loads through SGLang's own L2 engine, as its controller
-    submits a hit (``HiCacheController.start_loading``)."""
+    """The pool's loads through SGLang's own L2 engine (``start_loading``)."""
     from sglang.srt.mem_cache.l2_transfer import L2Transfer, L2TransferEngine
 
     engine = L2TransferEngine(IO_BACKEND)
@@ -126,9 +113,9 @@ def _time_hits(
     repeat: int,
     beside: Callable[[], None] | None,
 ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, float]]:
-    """Each column's median time to first token (ms), median wait per layer
-    and median CPU time issuing its loads (ms), its columns run once a round
-    in a seeded random order."""
+    """Per column, the medians of the time to first token, of each layer's wait
+    and of the CPU's time issuing the loads (ms); a round runs every column
+    once in a seeded random order."""
     timed = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
     ttft: dict[str, list[float]] = {name: [] for name in loads}
     waits: dict[str, list[list[float]]] = {name: [] for name in loads}
@@ -160,14 +147,12 @@ def _time_hits(
                 issued[name].append(issue_ms)
         torch.cuda.synchronize()
     median = statistics.median
-    return (
-        {name: median(times) for name, times in ttft.items()},
-        {
-            name: [median(layer) for layer in zip(*w, strict=True)]
-            for name, w in waits.items()
-        },
-        {name: median(times) for name, times in issued.items()},
-    )
+    per_layer = {n: [median(t) for t in zip(*w, strict=True)] for n, w in waits.items()}
+    return _medians(ttft), per_layer, _medians(issued)
+
+
+def _medians(times: dict[str, list[float]]) -> dict[str, float]:
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_hits(
@@ -181,9 +166,8 @@ def bench_hits(
     beside: str | None = None,
     progress: Callable[[], None] = lambda: None,
 ) -> list[HitRow]:
-    """Every batch of pages and new tokens of one geometry: each host pool of
-    ``classes`` backs up the batch's random device pages to random host
-    pages once, then every round loads them back during the hit."""
+    """Each batch of one geometry: each pool backs up random device pages to
+    random host pages once, and every round loads them back in the hit."""
     heads, head_dim, layers = geometry
     device_pool = build_device_pool(
         head_num=heads,
@@ -244,11 +228,11 @@ def run(
     pages_list: Sequence[int],
     tokens_list: Sequence[int],
     *,
-    classes: dict[str, type],
-    warmup: int,
-    repeat: int,
     beside: Sequence[str] = (),
+    **timing,
 ) -> list[HitRow]:
+    """Every geometry at every batch that fits, alone or beside each loop;
+    ``timing``: :func:`bench_hits`'s ``classes``, ``warmup``, ``repeat``."""
     from tqdm import tqdm  # SGLang's dependency
 
     modes = list(beside) or [None]
@@ -256,45 +240,31 @@ def run(
     cases = sum(len(p) for p in fits.values()) * len(tokens_list) * len(modes)
     bar = tqdm(total=cases, desc="bench --hit", unit="case")
     rows = []
-    for geometry, pages in fits.items():
-        for mode in modes:
-            if pages:
-                rows += bench_hits(
-                    geometry,
-                    pages,
-                    tokens_list,
-                    classes=classes,
-                    warmup=warmup,
-                    repeat=repeat,
-                    beside=mode,
-                    progress=bar.update,
-                )
-            torch.cuda.empty_cache()
+    for (geometry, pages), mode in itertools.product(fits.items(), modes):
+        if pages:
+            rows += bench_hits(
+                geometry, pages, tokens_list, beside=mode, progress=bar.update, **timing
+            )
+        torch.cuda.empty_cache()
     bar.close()
     return rows
 
 
 def table(rows: list[HitRow]) -> tuple[list[str], list[list[str]]]:
+    """Each column's time to first token, then ours over raw and the device
+    hit, layer 0's and the longest wait of ours, and its CPU time issuing."""
     names = list(dict.fromkeys(name for row in rows for name in row.ttft_ms))
     headers = ["KVxDxL", "pages", "M", "beside", *(f"{n} ms" for n in names)]
     headers += ["ours/raw", "ours/device", "ours L0 wait", "ours max wait"]
     headers += ["ours issue ms", "missed"]
     body = []
-    for row in rows:
-        waits = row.waits_ms.get("ours") or [0.0]
+    for r in rows:
+        waits = r.waits_ms.get("ours") or [0.0]
+        ours = [r.ratio("ours", "raw"), r.ratio("ours", "device"), waits[0]]
+        ours += [max(waits), r.issue_ms.get("ours")]
+        cells = [r.ttft_ms.get(n) for n in names] + ours
+        lead = [r.geometry, str(r.pages), str(r.tokens), r.beside or "-"]
         body.append(
-            [
-                row.geometry,
-                str(row.pages),
-                str(row.tokens),
-                row.beside or "-",
-                *(bench._fmt(row.ttft_ms.get(n)) for n in names),
-                bench._fmt(row.ratio("ours", "raw")),
-                bench._fmt(row.ratio("ours", "device")),
-                bench._fmt(waits[0]),
-                bench._fmt(max(waits)),
-                bench._fmt(row.issue_ms.get("ours")),
-                " ".join(row.missed()) or "-",
-            ]
+            lead + [bench._fmt(x) for x in cells] + [" ".join(r.missed()) or "-"]
         )
     return headers, body
