@@ -18,11 +18,7 @@ from sglang_mxfp8_hicache import releases, transfer
 from sglang_mxfp8_hicache.errors import BlockScaledHiCacheConfigError
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
 from sglang_mxfp8_hicache.loads import even_layer_groups
-from sglang_mxfp8_hicache.tools.ablations import (
-    ABLATIONS,
-    doubling_layer_groups,
-    doubling_load_groups,
-)
+from sglang_mxfp8_hicache.tools.ablations import ABLATIONS, doubling_load_groups
 from sglang_mxfp8_hicache.tools.pools import (
     IO_BACKEND,
     PayloadOnlyHost,
@@ -375,41 +371,23 @@ def test_fallback_to_sglang_kernel(make_pools, monkeypatch, caplog):
     assert_exact(round_trip(device_pool, host, pages=20, seed=3))
 
 
-def test_layer_groups_double():
-    assert doubling_layer_groups(1) == [range(0, 1)]
-    assert doubling_layer_groups(8) == [
-        range(0, 1),
-        range(1, 2),
-        range(2, 4),
-        range(4, 8),
-    ]
-    groups = doubling_layer_groups(80)
-    assert [g.start for g in groups] == [0, 1, 2, 4, 8, 16, 32, 64]
-    assert groups[-1] == range(64, 80)
-
-
 def test_doubling_groups_carry_a_launch_worth_of_bytes():
     kib = 1024
-    # Large loads: the doubling groups.
-    assert doubling_load_groups(80, 1 << 20, min_group_bytes=1 << 20) == (
-        doubling_layer_groups(80)
-    )
+    # Large loads: layer 0, then doubling groups.
+    groups = doubling_load_groups(80, 1 << 20)
+    assert [g.start for g in groups] == [0, 1, 2, 4, 8, 16, 32, 64]
+    assert groups[-1] == range(64, 80)
     # Layer 0, then the rest at once; all at once if the rest is that small.
-    assert doubling_load_groups(8, 66 * kib, min_group_bytes=1 << 20) == [
-        range(0, 1),
-        range(1, 8),
-    ]
-    assert doubling_load_groups(
-        8, 33 * kib, min_group_bytes=1 << 20, one_launch_bytes=256 * kib
-    ) == [range(0, 8)]
-    # Groups merge until they carry the minimum; a short tail joins the last.
-    assert doubling_load_groups(80, 33 * kib, min_group_bytes=512 * kib) == [
+    assert doubling_load_groups(8, 66 * kib) == [range(0, 1), range(1, 8)]
+    assert doubling_load_groups(8, 33 * kib) == [range(0, 8)]
+    # Groups merge until they carry 1 MiB; a short tail joins the last.
+    assert doubling_load_groups(80, 66 * kib) == [
         range(0, 1),
         range(1, 32),
         range(32, 64),
         range(64, 80),
     ]
-    assert doubling_load_groups(80, 20 * kib, min_group_bytes=512 * kib) == [
+    assert doubling_load_groups(80, 40 * kib) == [
         range(0, 1),
         range(1, 32),
         range(32, 80),

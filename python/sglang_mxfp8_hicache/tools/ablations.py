@@ -9,45 +9,30 @@ from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
 from sglang_mxfp8_hicache.loads import ONE_LAUNCH_BYTES, even_layer_groups
 
-DOUBLING_GROUP_BYTES = 1 << 20
-"""The least a doubling group carries (``load_doubling``)."""
-
-
-def doubling_layer_groups(layer_num: int) -> list[range]:
-    """Layers 0 | 1 | 2-3 | 4-7 | ..."""
-    starts = [0, *(1 << k for k in range(layer_num.bit_length()) if 1 << k < layer_num)]
-    return [range(a, b) for a, b in zip(starts, [*starts[1:], layer_num], strict=True)]
-
 
 def doubling_load_groups(
-    layer_num: int,
-    layer_bytes: int,
-    min_group_bytes: int = DOUBLING_GROUP_BYTES,
-    one_launch_bytes: int = ONE_LAUNCH_BYTES,
-    min_layers: int = 1,
+    layer_num: int, layer_bytes: int, *, min_layers: int = 1
 ) -> list[range]:
-    """Layer 0, then the doubling groups, each merged on until it carries
-    ``min_group_bytes`` and ``min_layers`` (a short last group joins the one
-    before); one group if layers 1.. carry under ``one_launch_bytes``: the
-    fewest calls, and the forward pass waits for the last group, half the
-    layers, before computing any of them."""
-    if (layer_num - 1) * layer_bytes < one_launch_bytes:
+    """Layer 0, then doubling groups 1 | 2-3 | 4-7 | ..., each merged with the
+    next until it carries 1 MiB and ``min_layers`` (a short last one joins the
+    one before); one group if layers 1.. carry under ``ONE_LAUNCH_BYTES``."""
+    if (layer_num - 1) * layer_bytes < ONE_LAUNCH_BYTES:
         return [range(layer_num)]
 
-    def short(group: range) -> bool:
-        return len(group) * layer_bytes < min_group_bytes or len(group) < min_layers
+    def short(layers: int) -> bool:
+        return layers * layer_bytes < 1 << 20 or layers < min_layers
 
-    first, *rest = doubling_layer_groups(layer_num)
-    merged: list[range] = []
-    for group in rest:
-        if merged and short(merged[-1]):
-            merged[-1] = range(merged[-1].start, group.stop)
-        else:
-            merged.append(group)
-    if len(merged) > 1 and short(merged[-1]):
-        tail = merged.pop()
-        merged[-1] = range(merged[-1].start, tail.stop)
-    return [first, *merged]
+    groups, start = [range(1)], 1
+    while start < layer_num:
+        stop = min(2 * start, layer_num)
+        while stop < layer_num and short(stop - start):
+            stop = min(2 * stop, layer_num)
+        groups.append(range(start, stop))
+        start = stop
+    if len(groups) > 2 and short(len(groups[-1])):
+        tail = groups.pop()
+        groups[-1] = range(groups[-1].start, tail.stop)
+    return groups
 
 
 CHOICES = {
