@@ -414,14 +414,8 @@ def bench_geometry(
                 if beside is not None:
                     loop_ratio = {name: loop_ratio.get(name) for name in columns}
                 cell = (pages, direction, ms, layer0, setup.name, setup.drafts)
-                rows.append(
-                    Row(
-                        *geometry,
-                        *cell,
-                        beside=beside and beside[0],
-                        loop_ratio=loop_ratio,
-                    )
-                )
+                loop = dict(beside=beside and beside[0], loop_ratio=loop_ratio)
+                rows.append(Row(*geometry, *cell, **loop))
                 progress()
     finally:
         for host in hosts.values():
@@ -455,21 +449,12 @@ def run(
     from tqdm import tqdm  # SGLang's dependency
 
     bar = tqdm(total=sum(2 * len(p) for _, _, p, _ in plan), desc="bench", unit="case")
-    rows = []
+    rows, timing = [], dict(classes=classes, warmup=warmup, repeat=repeat)
     for geometry, setup, pages, mode in plan:
         if not pages:
             continue
-        rows += bench_geometry(
-            geometry,
-            pages,
-            classes=classes,
-            warmup=warmup,
-            repeat=repeat,
-            progress=bar.update,
-            setup=setup,
-            device=device,
-            beside=mode,
-        )
+        cases = dict(progress=bar.update, setup=setup, device=device, beside=mode)
+        rows += bench_geometry(geometry, pages, **timing, **cases)
         torch.cuda.empty_cache()
     bar.close()
     return rows
