@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sglang_mxfp8_hicache import storage
-from sglang_mxfp8_hicache.tools import bench_l3, results
+from sglang_mxfp8_hicache.tools import bench_l3, l3, results
 from testkit import dict_l3_backend
 from testkit.cli_runner import MASTER, run_cli
 
@@ -220,7 +220,7 @@ def test_local_run(cpu_kernels, storage_hooks, tmp_path, monkeypatch, backend):
     the bench keeps its signal handlers (hf3fs installs its own)."""
     import signal
 
-    monkeypatch.setenv(bench_l3.FILE_DIR_ENV, str(tmp_path / "not-here"))
+    monkeypatch.setenv(l3.FILE_DIR_ENV, str(tmp_path / "not-here"))
     handler = signal.getsignal(signal.SIGINT)
     report = tiny_run(backend, l3_dir=str(tmp_path))
     check_report(report)

@@ -1,17 +1,13 @@
 """L3 put and get of MXFP8 pages against the same model's payload-only pages.
 
-Does an MXFP8 page cost more on L3 than its extra bytes? Both pools run side
-by side in one process, each with a backend opened as the cache controller
-attaches one (:class:`~.l3.StoragePageIO`, our factory hook included;
-Mooncake's two share one client), pages moving through the controller's own
-page functions in its batches: ``mxfp8``, our host pool over SGLang's MXFP8
-device pool, and ``payload``, SGLang's ``MHATokenToKVPoolHost`` given that
-pool's payload alone (``pools.PayloadOnlyHost``: the floor). Wall clock, as
-the storage threads spend it; per batch size one warm-up, then the median of
-``reps`` (more for small batches, ``results.l3_reps``), the pools taking
-turns to go first. Every put has fresh keys, what a rep stored is removed
-before the next, gets land in other (poisoned) host pages, and the last
-rep's are compared byte for byte: a mismatch fails the run.
+Both pools, ``mxfp8`` (ours) and ``payload`` (``pools.PayloadOnlyHost``: the
+floor), run side by side, each with a backend opened as the cache controller
+attaches one (:class:`~.l3.StoragePageIO`; Mooncake's two share a client),
+pages moving through the controller's page functions in its batches. Wall
+clock; per batch size the median of ``results.l3_reps`` after the warm-up, the
+pools taking turns to go first. Every put has fresh keys, what a rep stored is
+removed before the next, gets land in poisoned host pages, and the last rep's
+are compared byte for byte: a mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -30,15 +26,8 @@ from typing import Any
 import torch
 
 from sglang_mxfp8_hicache import guards
-from sglang_mxfp8_hicache.tools.l3 import (
-    FILE_DIR_ENV,
-    LOCAL_BACKENDS,
-    BackendConfig,
-    StoragePageIO,
-    local_backend,
-    page_hashes,
-    sglang_backend,
-)
+from sglang_mxfp8_hicache.tools import l3, results
+from sglang_mxfp8_hicache.tools.l3 import LOCAL_BACKENDS, StoragePageIO, sglang_backend
 from sglang_mxfp8_hicache.tools.pools import (
     PAGE_SIZE,
     PayloadOnlyHost,
@@ -48,18 +37,7 @@ from sglang_mxfp8_hicache.tools.pools import (
     host_page_rows,
     page_token_indices,
 )
-from sglang_mxfp8_hicache.tools.results import (
-    L3_BACKENDS,
-    L3_DIRECTIONS,
-    L3_GEOMETRY,
-    L3_PAGES,
-    L3_POOLS,
-    L3_REPEAT,
-    L3_WARMUP,
-    Cell,
-    Report,
-    l3_reps,
-)
+from sglang_mxfp8_hicache.tools.results import L3_DIRECTIONS, L3_POOLS, Cell, Report
 
 SEGMENT_HEADROOM = 1.3
 """hf3fs's file holds this many times one batch of a pool."""
@@ -118,45 +96,39 @@ def _same_pages(pool: Any, got: torch.Tensor, put: torch.Tensor) -> bool:
 def _remove(
     io: StoragePageIO, hashes: list[str], host_indices: torch.Tensor, *, strict: bool
 ) -> None:
-    """Removes what ``backup(hashes, ...)`` stored and nothing else (a store may
-    be shared); Mooncake's removes are forced, a get leaving a 10 s lease, and
-    ``strict`` raises if it keeps one. A ``dynamic`` class keeps what it was
-    given: SGLang's interface has no remove (give it a store of its own)."""
-    backend = sglang_backend(io.storage_backend)
-    if io.backend_name == "dynamic":
-        return
-    if io.backend_name == "hf3fs":  # frees the slots of the pages' parts
+    """Removes what ``backup(hashes, ...)`` stored and nothing else (a store may be
+    shared); Mooncake's forced (a get leaves a 10 s lease), ``strict`` raising if it
+    keeps one. A ``dynamic`` class keeps all: SGLang's interface has no remove."""
+    backend, name = sglang_backend(io.storage_backend), io.backend_name
+    if name == "hf3fs":  # frees the slots of the pages' parts
         if backend is not io.storage_backend:
             tag = io.storage_host_pool.storage_format_tag
             hashes = [f"{tag}_{key}" for key in hashes]
         if backend.mha_zero_copy:
             hashes = backend._get_mha_zero_copy_keys(hashes)
         backend.metadata_client.delete_keys(backend.rank, hashes)
-        return
-    if io.backend_name in ("file", "nixl"):
+    elif name in ("file", "nixl"):
         paths = (
             [guards.file_page_path(backend, key) for key in hashes]
-            if io.backend_name == "file"
+            if name == "file"
             else guards.nixl_page_paths(backend, hashes)
         )
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
-        return
-    if io.backend_name == "seaweedfs":
+    elif name == "seaweedfs":
+        bucket = backend.config.bucket
         for key in hashes:
-            backend._s3.delete_object(
-                Bucket=backend.config.bucket, Key=backend._object_key(key)
+            backend._s3.delete_object(Bucket=bucket, Key=backend._object_key(key))
+    elif name == "mooncake":
+        keys, _, _ = backend._batch_preprocess(backend._tag_keys(hashes), host_indices)
+        codes = backend.store.batch_remove(keys, True)
+        failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
+        if failed and strict:
+            raise L3BenchError(
+                f"Mooncake could not remove {len(failed)} of {len(keys)} objects "
+                f"(first: {failed[0][0]}, code {failed[0][1]})"
             )
-        return
-    keys, _, _ = backend._batch_preprocess(backend._tag_keys(hashes), host_indices)
-    codes = backend.store.batch_remove(keys, True)
-    failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c != 0]
-    if failed and strict:
-        raise L3BenchError(
-            f"Mooncake could not remove {len(failed)} of {len(keys)} objects "
-            f"(first: {failed[0][0]}, code {failed[0][1]})"
-        )
 
 
 @contextlib.contextmanager
@@ -165,9 +137,8 @@ def _signal_handlers_kept() -> Iterator[None]:
     only close it; the bench keeps its own, so Ctrl-C still stops it."""
     import signal
 
-    kept = {
-        s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
-    }
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+    kept = {s: signal.getsignal(s) for s in signals}
     try:
         yield
     finally:
@@ -221,8 +192,8 @@ def measure(
     ios: Mapping[str, StoragePageIO],
     pages_list: Sequence[int],
     *,
-    reps: int = L3_REPEAT,
-    warmup: int = L3_WARMUP,
+    reps: int = results.L3_REPEAT,
+    warmup: int = results.L3_WARMUP,
     seed: int = 0,
     progress: Callable[[], None] = lambda: None,
 ) -> list[Cell]:
@@ -240,11 +211,11 @@ def measure(
         perm = torch.randperm(page_num, generator=gen)
         put_pages, get_pages = perm[:pages], perm[pages : 2 * pages]
         seconds = {d: {name: [] for name in L3_POOLS} for d in L3_DIRECTIONS}
-        rounds = warmup + l3_reps(pages, reps)
+        rounds = warmup + results.l3_reps(pages, reps)
         for rep in range(rounds):
             # Fresh keys: a backend skips the put of a key it holds.
             tokens = torch.randint(0, 1 << 30, (pages * PAGE_SIZE,), generator=gen)
-            hashes = page_hashes(tokens.tolist(), PAGE_SIZE)
+            hashes = l3.page_hashes(tokens.tolist(), PAGE_SIZE)
             order = L3_POOLS[rep % 2 :] + L3_POOLS[: rep % 2]
             last = rep == rounds - 1
             took = _one_rep(ios, order, hashes, put_pages, get_pages, verify=last)
@@ -287,9 +258,10 @@ def apply_plugin_hooks() -> None:
     HookRegistry.apply_hooks()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+def _unavailable(what: str, exc: BaseException) -> L3Unavailable:
+    """``what`` could not be had, with the first line of ``exc``."""
+    line = (str(exc).strip().splitlines() or [""])[0]
+    return L3Unavailable(f"{what}: {type(exc).__name__}: {line}")
 
 
 def _open_all(
@@ -300,41 +272,35 @@ def _open_all(
     l3_dir: str | None,
     l3_config: dict[str, Any] | None,
 ) -> tuple[dict[str, StoragePageIO], str]:
-    """Each pool's backend, and where pages go; what it makes is undone when
-    ``stack`` closes. A local backend gets a directory per pool: hf3fs keeps
-    no model name in its keys, and its metadata is per instance. Mooncake's
-    two share a client: clients of one process differ in speed on loopback."""
+    """Each pool's backend, and where pages go, undone when ``stack`` closes. A
+    local backend gets a directory per pool (hf3fs keys have no model name);
+    Mooncake's two share a client (one process's clients differ in speed)."""
     run_id, local = uuid.uuid4().hex[:8], backend in LOCAL_BACKENDS
     if local:
-        parent = l3_dir or os.environ.get(FILE_DIR_ENV) or None
+        parent = l3_dir or os.environ.get(l3.FILE_DIR_ENV) or None
         store = tempfile.mkdtemp(prefix=f"sglang-mxfp8-hicache-{backend}-", dir=parent)
         stack.callback(shutil.rmtree, store, ignore_errors=True)
     else:
-        where = (
-            l3_config.get("master_server_address")
-            or l3_config.get("endpoint")
-            or l3_config.get("module_path")
-        )
-        store = f"{backend} at {where or 'its config'}"
+        keys = ("master_server_address", "endpoint", "module_path")
+        where = next(filter(None, map(l3_config.get, keys)), "its config")
+        store = f"{backend} at {where}"
     ios = {}
     for name, pool in pools.items():
         if local:
             os.mkdir(root := os.path.join(store, name))
             size = SEGMENT_HEADROOM * max_pages * page_bytes(pool)
-            config = local_backend(backend, root, size_bytes=size)
+            config = l3.local_backend(backend, root, size_bytes=size)
         else:
-            config = BackendConfig(dict(l3_config), {})
+            config = l3.BackendConfig(dict(l3_config), {})
+        model, extra = f"bench-l3-{run_id}-{name}", config.extra_config
         try:
             with config.environment(), _signal_handlers_kept():
                 ios[name] = StoragePageIO.open(
-                    backend,
-                    pool,
-                    model_name=f"bench-l3-{run_id}-{name}",
-                    extra_config=config.extra_config,
+                    backend, pool, model_name=model, extra_config=extra
                 )
         except Exception as exc:
-            raise L3Unavailable(
-                f"cannot open {backend} for the {name} pool: {_first_line(exc)}"
+            raise _unavailable(
+                f"cannot open {backend} for the {name} pool", exc
             ) from exc
         stack.callback(ios[name].close)
     if backend == "mooncake":  # one client for both (docs/benchmarks.md, L3)
@@ -346,23 +312,21 @@ def _open_all(
 
 def run(
     backend: str,
-    geometry: tuple[int, int, int] = L3_GEOMETRY,
-    pages_list: Sequence[int] = L3_PAGES,
+    geometry: tuple[int, int, int] = results.L3_GEOMETRY,
+    pages_list: Sequence[int] = results.L3_PAGES,
     *,
-    reps: int = L3_REPEAT,
-    warmup: int = L3_WARMUP,
+    reps: int = results.L3_REPEAT,
+    warmup: int = results.L3_WARMUP,
     device: str = "cuda",
     pin_memory: bool = True,
     l3_dir: str | None = None,
     l3_config: dict[str, Any] | None = None,
 ) -> Report:
-    """Builds both pools, opens ``backend`` for each (a fresh directory for
-    ``file``, ``hf3fs`` and ``nixl``; the running service of ``l3_config`` for
-    ``mooncake`` and ``seaweedfs``, the class it names for ``dynamic``),
-    measures, and removes what it wrote.
-    Progress goes to stderr, one step per repetition."""
-    if backend not in L3_BACKENDS:
-        raise ValueError(f"backend must be one of {L3_BACKENDS}, got {backend!r}")
+    """Builds both pools, opens ``backend`` for each (a fresh directory if local,
+    else the service or class ``l3_config`` names), measures, and removes what
+    it wrote; progress goes to stderr, one step per repetition."""
+    if backend not in (known := results.L3_BACKENDS):
+        raise ValueError(f"backend must be one of {known}, got {backend!r}")
     if backend not in LOCAL_BACKENDS and l3_config is None:
         raise L3Unavailable(
             f"--l3 {backend} needs --l3-config: the extra config of a running "
@@ -377,15 +341,13 @@ def run(
                 geometry, max_pages, device=device, pin_memory=pin_memory
             )
         except (ValueError, RuntimeError) as exc:  # e.g. not enough host memory
-            raise L3Unavailable(
-                f"cannot build the host pools: {_first_line(exc)}"
-            ) from exc
+            raise _unavailable("cannot build the host pools", exc) from exc
         for pool in pools.values():
             stack.callback(pool.destroy)
         ios, store = _open_all(stack, backend, pools, max_pages, l3_dir, l3_config)
         from tqdm import tqdm  # SGLang's dependency
 
-        rounds = sum(warmup + l3_reps(pages, reps) for pages in pages_list)
+        rounds = sum(warmup + results.l3_reps(pages, reps) for pages in pages_list)
         bar = tqdm(total=rounds, desc="bench --l3")
         stack.callback(bar.close)
         cells = measure(ios, pages_list, reps=reps, warmup=warmup, progress=bar.update)

@@ -1,10 +1,8 @@
 """``sglang-mxfp8-hicache``: check the install, size the host tier, time transfers.
 
-``--help`` lists every flag. Bad input ends in one line on stderr and exit
-code 2, never a traceback: argparse types check each flag where it is parsed,
-``sizing.SizingError`` a config.json or a geometry, :class:`UsageError` the rest.
-An output that cannot be written, Ctrl-C and SIGTERM end it in one line too
-(:func:`main`).
+Bad input ends in one line on stderr and exit code 2, never a traceback
+(argparse types per flag, ``sizing.SizingError``, :class:`UsageError`); so do an
+unwritable output, Ctrl-C and SIGTERM (:func:`main`).
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ from sglang_mxfp8_hicache.tools import results, sizing
 
 PROG = "sglang-mxfp8-hicache"
 OK, WARN, FAIL, SKIPPED = "ok", "warn", "FAIL", "skipped"
-EXAMPLE_MODEL = dict(layers=32, kv_heads=8, head_dim=128)  # Llama-3.1-8B
-EXAMPLE_DEVICE_TOKENS = 500_000
 BENCH_LAYERS = 8
 """Layers of a bench geometry written without them (``8x128``)."""
 
@@ -92,10 +88,8 @@ def _check_entry_point() -> tuple[str, str]:
 
 
 def print_dispatch() -> None:
-    """What a scheduler's process gets after ``load_plugins()``, for ``check``
-    to read from a fresh process: one :class:`results.Dispatch` as JSON, with
-    the host pool class SGLang's assembler picks for a small CPU device pool
-    of each block-scaled format and of bf16, and each plugin hook's state."""
+    """As JSON, a :class:`results.Dispatch` of this process after ``load_plugins()``:
+    the host pool class picked for each block-scaled format and bf16, the hooks."""
     import torch
     from sglang.srt.plugins import load_plugins
 
@@ -157,8 +151,8 @@ def _check_hooks(found: results.Dispatch | str) -> tuple[str, str]:
 
 
 def _check_sizing() -> tuple[str, str]:
-    model = sizing.dense_model(**EXAMPLE_MODEL, tp_size=1)
-    [pool] = sizing.host_plan(model, device_tokens=EXAMPLE_DEVICE_TOKENS).pools
+    model = sizing.dense_model(layers=32, kv_heads=8, head_dim=128, tp_size=1)
+    [pool] = sizing.host_plan(model, device_tokens=500_000).pools
     return OK, (
         f"Llama-3.1-8B, ratio 2: {pool.bytes_per_token} B/token "
         f"({pool.payload_bytes_per_token} payload, {pool.scale_bytes_per_token} "
@@ -197,8 +191,7 @@ def _run_step(name: str, fn: Callable[[], tuple[str, str]]) -> results.Step:
         status, detail = fn()
     except Exception as exc:  # a check reports, it does not crash
         status, detail = FAIL, f"{type(exc).__name__}: {exc}"
-    # The GPU step compiles kernels: say what has finished as it does.
-    took = time.monotonic() - started
+    took = time.monotonic() - started  # the GPU step compiles: say what is done
     print(f"{name}: {status} ({took:.0f} s)", file=sys.stderr, flush=True)
     return results.Step(name, status, detail)
 
@@ -331,9 +324,10 @@ def _print_plan(plan: sizing.HostPlan, args: argparse.Namespace) -> None:
     budget = plan.host_budget_per_rank
     if budget is not None:
         print(f"SGLang's host budget per rank ({plan.host_budget_of}): {_gb(budget)}")
-        over = "SGLang refuses a host pool over its budget when it allocates"
         if plan.host_bytes > budget:
-            print(f"warning: {over}")
+            print(
+                "warning: SGLang refuses a host pool over its budget when it allocates"
+            )
     for warning in plan.warnings:
         print(f"warning: {warning}")
 
@@ -341,10 +335,8 @@ def _print_plan(plan: sizing.HostPlan, args: argparse.Namespace) -> None:
 def _host_budget_per_rank(
     ranks: int, host_memory_gb: float | None
 ) -> tuple[int | None, str]:
-    """SGLang's ``host_memory_budget_bytes`` for ``ranks`` ranks on a node, and
-    whose memory it is: the server's as ``--host-memory-gb`` gives it, else
-    this machine's available memory as SGLang reads it (cgroup limits
-    included); less SGLang's reserve, split. Imports neither SGLang nor torch."""
+    """SGLang's ``host_memory_budget_bytes`` per rank of ``ranks``, and whose: the
+    server's (``--host-memory-gb``) or this machine's as SGLang reads it, no torch."""
     if host_memory_gb is not None:
         free, whose = int(host_memory_gb * 1e9), "the server's, by --host-memory-gb"
     else:
@@ -463,14 +455,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bench = _import_quietly("sglang_mxfp8_hicache.tools.bench")
     if args.hit:
         return _bench_hit(args, bench)
-    if unknown := sorted(set(args.ablations) - set(bench.ABLATIONS)):
-        raise UsageError(
-            f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
-        )
-    if unknown := sorted(set(args.beside) - set(results.BESIDE_LOOPS)):
-        raise UsageError(
-            f"--beside: unknown loop(s) {unknown}; known: {list(results.BESIDE_LOOPS)}"
-        )
     try:
         setups = bench.setups(_setup_names(args), args.drafts or bench.DEFAULT_DRAFTS)
     except ValueError as exc:
@@ -508,10 +492,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_hit(args: argparse.Namespace, bench: Any) -> int:
     """``--hit``: a cache hit's time to first token, loads as SGLang issues them."""
-    if unknown := sorted(set(args.ablations) - set(bench.ABLATIONS)):
-        raise UsageError(
-            f"--ablations: unknown ablation(s) {unknown}; known: {sorted(bench.ABLATIONS)}"
-        )
     if unknown := sorted(set(args.beside) - {"decode"}):
         raise UsageError(f"--hit --beside: unknown loop(s) {unknown}; known: decode")
     import torch
@@ -769,8 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
     l3_geometry = "x".join(map(str, results.L3_GEOMETRY))
     of = f"(default: {geometries}; --l3: one, {l3_geometry})"
     arg("--geometries", **shapes, help=f"layers default to {BENCH_LAYERS} {of}")
-    pages = comma_list(positive_int, "positive integers, comma separated")
-    pages = dict(type=pages, metavar="N,...", default=results.BENCH_PAGES)
+    counts = comma_list(positive_int, "positive integers, comma separated")
+    pages = dict(type=counts, metavar="N,...", default=results.BENCH_PAGES)
     arg("--pages", **pages, help="per transfer")
     names = dict(type=comma_list(name, "names, comma separated"), metavar="NAME,...")
     setups = f"{', '.join(results.BENCH_SETUPS)} (default: page_first)"
@@ -786,15 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--repeat", **count, help=f"timed rounds, the median counts {rounds}")
     hit = "a cache hit's time to first token, its loads as SGLang issues them"
     arg("--hit", **switch, help=hit)
-    tokens = f"--hit: new tokens (default: {','.join(map(str, results.HIT_TOKENS))})"
-    counts = comma_list(positive_int, "positive integers, comma separated")
-    arg(
-        "--tokens",
-        type=counts,
-        metavar="M,...",
-        default=results.HIT_TOKENS,
-        help=tokens,
-    )
+    tokens = dict(type=counts, metavar="M,...", default=results.HIT_TOKENS)
+    arg("--tokens", **tokens, help="--hit: new tokens")
     arg("--check", **switch, help="exit 1 if a cell misses its goal")
     arg("--json-out", type=json_out_path, metavar="PATH", help="write JSON here")
     arg("--plot", type=plot_path, metavar="PNG", help="draw --from's runs")
@@ -821,10 +794,8 @@ WRITE_ERRORS = frozenset(
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised where the command is, as Ctrl-C raises
-    ``KeyboardInterrupt``: ``with`` blocks remove their temp folders and
-    ``subprocess.run`` ends its child. Not an ``Exception``, so that no step
-    reports it and goes on."""
+    """SIGTERM, raised as Ctrl-C raises ``KeyboardInterrupt`` (temp folders go,
+    children end); not an ``Exception``, so that no step reports it and goes on."""
 
 
 @contextlib.contextmanager

@@ -1,11 +1,9 @@
 """L3 storage driven the way SGLang's cache controller drives it, without its threads.
 
-``open`` does what ``HiCacheController.attach_storage_backend`` does: the
-storage config keyed by the release's ``storage_model_name`` (so the pool's
-``storage_format_tag`` is in every key), ``StorageBackendFactory.create_backend``
-and ``register_mem_pool_host``. Pages move through the controller's own
-functions, unbound on this object, generic or zero-copy as it chooses
-(``cache_controller.py:645-667``); its queues and threads are left out.
+``StoragePageIO.open`` attaches a backend as ``attach_storage_backend`` does (keys
+by the release's ``storage_model_name``, so the pool's format tag is in every
+key); pages move through the controller's own page functions, unbound on it,
+generic or zero-copy as it chooses.
 """
 
 from __future__ import annotations
@@ -64,15 +62,8 @@ def local_backend(
     hf3fs: dict[str, Any] | None = None,
 ) -> BackendConfig:
     """How to run ``backend`` (one of ``LOCAL_BACKENDS``) with its data under
-    ``root``, an existing directory:
-
-    * ``file``: SGLang's ``HiCacheFile`` in ``root``;
-    * ``hf3fs``: SGLang's ``HiCacheHF3FS``, its mock 3FS client (a sparse file
-      of ``size_bytes``, fixed slots) and in-process metadata (``hf3fs``: more
-      config, e.g. ``metadata_server_url``); the real client needs 3FS;
-    * ``nixl``: SGLang's ``HiCacheNixl``, NIXL's POSIX file plugin with
-      SGLang's default O_DIRECT, without its cleaner thread.
-    """
+    ``root``, an existing directory: ``hf3fs`` with its mock client (a sparse file
+    of ``size_bytes``; ``hf3fs``: more of its config), ``nixl`` without its cleaner."""
     if backend == "file":
         return BackendConfig({"file_storage_path": root}, {FILE_DIR_ENV: root})
     if backend == "hf3fs":
@@ -123,19 +114,16 @@ class StoragePageIO:
         tp_size: int = 1,
         tp_lcm_size: int | None = None,
     ) -> StoragePageIO:
-        """A backend for ``host_pool`` configured as the controller configures
-        it; ``tp_lcm_size`` above ``tp_size`` with ``page_head`` splits pages by
-        heads, as the controller's storage config does."""
+        """A backend for ``host_pool`` configured as the controller configures it
+        (``tp_lcm_size`` above ``tp_size`` with ``page_head``: split by heads)."""
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage import StorageBackendFactory
 
+        one_stage = dict(pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1)
         config = HiCacheStorageConfig(
             tp_rank=tp_rank,
             tp_size=tp_size,
-            pp_rank=0,
-            pp_size=1,
-            attn_cp_rank=0,
-            attn_cp_size=1,
+            **one_stage,
             is_mla_model=False,
             enable_storage_metrics=False,
             is_page_first_layout=host_pool.layout.startswith("page_first"),
@@ -190,9 +178,8 @@ class StoragePageIO:
 
 
 def storage_model_name(model_name: str, host_pool: Any) -> str:
-    """The model name the release's controller gives L3 backends for
-    ``host_pool`` (its ``storage_model_name`` adds the pool's format; 0.5.21's
-    has none, and the storage guard adds the pool's tag)."""
+    """The model name the release's controller gives L3 backends for ``host_pool``
+    (0.5.21 has no ``storage_model_name``: the storage guard adds the tag)."""
     if releases.device_pool_base():
         return model_name
     from sglang.srt.managers.cache_controller import storage_model_name as named

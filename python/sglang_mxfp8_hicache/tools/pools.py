@@ -1,8 +1,6 @@
-"""Pools built as SGLang builds them, and the L2 round trip ``check`` runs.
-
-Device pools of every block-scaled ``--kv-cache-dtype``, host pools as the
-assembler makes them, the payload-only control, the index helpers a transfer
-needs; the tests' full round trip is ``test/testkit/pools.py``."""
+"""Pools built as SGLang builds them, the payload-only control, a transfer's
+index helpers, and the L2 round trip ``check`` runs (the tests' full round
+trip is ``test/testkit/pools.py``)."""
 
 from __future__ import annotations
 
@@ -34,11 +32,9 @@ def build_device_pool(
     kv_cache_dtype: str = "mxfp8",
     quant_method=None,
 ) -> MHATokenToKVPoolMXFP8:
-    """The device pool SGLang's configurator builds for ``kv_cache_dtype``
-    (an FP4 recipe: ``MHATokenToKVPool`` with ``quant_method``, by default its
-    quant method configured for FlashInfer, nvfp4's per-token scales, less the
-    checkpoint's scales), or with ``payload_dtype`` a plain MHA pool of that
-    dtype; page 0 is its padding page."""
+    """The device pool SGLang's configurator builds for ``kv_cache_dtype`` (an FP4
+    recipe's quant method by default for FlashInfer, less the checkpoint's scales),
+    or with ``payload_dtype`` a plain MHA pool; page 0 is its padding page."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MHATokenToKVPoolMXFP8
 
     common = dict(size=pages * page_size, page_size=page_size, device=device)
@@ -69,10 +65,8 @@ def build_host_pool(
     drafts: Sequence[MHATokenToKVPoolMXFP8] = (),
     layout: str = "page_first",
 ) -> MHATokenToKVPoolHost:
-    """The host pool SGLang's assembler builds; ``drafts`` are one-layer device
-    pools packed as tail layers (MTP/NextN, ``draft_buffer_infos``). A release
-    that builds host pools from the device pool (``releases``) builds ours
-    and its own so."""
+    """The host pool SGLang's assembler builds (from the device pool where the
+    release does); ``drafts``: one-layer device pools packed as tail layers."""
     from sglang_mxfp8_hicache import releases
     from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host
 
@@ -87,10 +81,8 @@ def build_host_pool(
 
 
 class PayloadOnlyHost(MHATokenToKVPoolHost):
-    """The payload-only control: SGLang's own MHA host pool given what it can
-    move of a block-scaled pool, the payload at its real width and no scales
-    (what SGLang 0.5.16-0.5.20 do with an MXFP8 pool, and 0.5.23 with an FP4
-    pool that reports none). Any other pool goes to it unchanged."""
+    """The payload-only control: SGLang's MHA host pool given a block-scaled pool's
+    payload at its real width and no scales (what 0.5.16-0.5.20 do with MXFP8)."""
 
     def __init__(self, buffer_info, *args, draft_buffer_infos=(), **kwargs):
         from sglang_mxfp8_hicache import releases
@@ -128,10 +120,8 @@ def host_page_rows(pool: MHATokenToKVPoolHost) -> torch.Tensor:
 
 
 def fill_random(tensors: list[torch.Tensor], generator: torch.Generator) -> None:
-    """Every byte of ``tensors`` uniform over 0-255 (0xFF included). Host
-    tensors drawn from a CPU generator are filled in place, without a copy of
-    their size (the L3 bench's host pools are GBs); others through a copy
-    drawn on the generator's device."""
+    """Every byte of ``tensors`` uniform over 0-255 (0xFF included); CPU tensors of
+    a CPU generator in place, without a copy of their size (GBs for the L3 bench)."""
     for tensor in tensors:
         raw = tensor.view(torch.uint8)
         if raw.device.type == "cpu" and generator.device.type == "cpu":
@@ -169,11 +159,9 @@ def host_indices_for(
 
 
 def round_trip(device_pool, host_pool, *, pages: int, seed: int) -> tuple[bool, str]:
-    """``check``'s: random bytes (0xFF included) in every device and host byte,
-    ``pages`` random device pages backed up to random host pages, the device
-    overwritten, the pages loaded into other device pages layer by layer. Ok if
-    payload and scales came back byte for byte and every device page outside
-    the load and host page outside the backup kept its bytes; what it found."""
+    """``check``'s: ``pages`` random device pages backed up to random host pages,
+    the device overwritten, loaded into other pages layer by layer. Ok if they came
+    back byte for byte and every other page kept its bytes; what it found."""
     device, page_size = torch.device(device_pool.device), device_pool.page_size
     rows = device_pool.size // page_size + 1  # page 0: padding
     payload = [*device_pool.k_buffer, *device_pool.v_buffer]

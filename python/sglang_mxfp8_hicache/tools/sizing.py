@@ -1,22 +1,18 @@
 """``size``: the host tier per rank and per node, with and without the scale
 bytes of a block-scaled format, as SGLang sizes its host pools.
 
-A model is read through SGLang's own ``ModelConfig``, so it gets the KV pools
-SGLang builds for it: a dense model one pool (``kv``); a hybrid SWA model a
-``full`` and a ``swa`` pool, whose device tokens are the page-aligned
-``--swa-full-tokens-ratio`` of the full pool's; a Mamba hybrid a KV pool of
-its full-attention layers, its Mamba state in SGLang's own host pool beside
-it; MLA is refused. Each pool's host tier is ``HostKVCache.__init__``'s:
-its share of ``--hicache-size`` (in proportion to device bytes, as
-``hybrid_pool_assembler._split_hicache_size`` shares it) over the bytes per
-token, else its device tokens times ``--hicache-ratio``; whole pages plus one
-padding page. The tests check the figures against pools SGLang builds.
+A model, read through SGLang's ``ModelConfig``, gets the KV pools SGLang builds:
+dense ``kv``; hybrid SWA ``full`` and ``swa`` (page-aligned
+``--swa-full-tokens-ratio`` of the full pool's tokens); Mamba a ``kv`` pool of
+its attention layers beside SGLang's Mamba host pool; MLA is refused. A pool's
+host tier is ``HostKVCache.__init__``'s: its share of ``--hicache-size`` (as
+``_split_hicache_size`` shares it) over its bytes per token, else device tokens
+times ``--hicache-ratio``; whole pages plus one padding page.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import tempfile
 import warnings
@@ -47,20 +43,16 @@ TEXT_SUB_CONFIGS = ("thinker_config", "llm_config", "language_config", "text_con
 HOST_MEMORY_RESERVE_BYTES = 10 << 30
 """SGLang's ``HICACHE_HOST_MEMORY_RESERVE_BYTES``, kept out of its HiCache budget."""
 MAX_NODE_HOST_BYTES = 64 << 40
-"""More host tier than any one server holds: a typo in the device tokens or
-the ratio."""
+"""More host tier than any server holds: a typo in the device tokens or ratio."""
 MAX_DEVICE_BYTES = 1 << 40
-"""More KV cache than one GPU holds (the largest have 288 GB): a typo in the
-device tokens, the page size or the Mamba slots."""
+"""More KV cache than one GPU holds (the largest: 288 GB): a typo in a count."""
 MAX_PAGE_SIZE = 1 << 16
-"""Tokens per page: four times SGLang's largest default chunked prefill
-(16384), which must be a whole number of pages."""
+"""Tokens per page: 4x SGLang's largest default chunked prefill (16384 tokens)."""
 
 
 class SizingError(ValueError):
-    """A model or count that cannot be sized (an unreadable or MLA config, a
-    value the pool would refuse): one line naming the value, where it came
-    from and what is allowed, which the CLI prints as a usage error."""
+    """A model or count that cannot be sized, in one line naming the value, where
+    it came from and what is allowed: the CLI prints it as a usage error."""
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -122,13 +114,10 @@ def read_model(
     tp_size: int,
     swa_full_tokens_ratio: float = SWA_FULL_TOKENS_RATIO,
 ) -> ModelKV:
-    """The KV pools SGLang builds for the model at ``path`` (a model directory
-    or a JSON config file of any name), read through SGLang's ``ModelConfig``.
-
-    It reads a copy of the config without its ``quantization_config``: how the
-    weights are quantized leaves the KV cache as it is, and SGLang knows some
-    weight formats (gpt-oss's ``mxfp4``) only beside an accelerator. The layer
-    count must be given (transformers would fill in its own default)."""
+    """The KV pools SGLang builds for the model at ``path`` (a directory or any
+    JSON config file), read by ``ModelConfig`` from a copy without its
+    ``quantization_config`` (weights leave the KV cache alone, and SGLang knows
+    gpt-oss's ``mxfp4`` only beside an accelerator); the layer count must be given."""
     path = Path(path)
     config_file = path if path.is_file() else path / "config.json"
     try:
@@ -272,8 +261,7 @@ class PoolPlan(msgspec.Struct, frozen=True):
     scale_bytes_per_token: int
     seal_bytes_per_token: int
     bytes_per_token: int
-    """The host pool's ``get_size_per_token()``: payload, scales and the seals
-    at the end of each part of a page (``page.seal_bytes``)."""
+    """The host pool's ``get_size_per_token()``: payload, scales and seals."""
     host_tokens: int
     host_bytes: int
     host_tokens_without_scales: int
@@ -297,26 +285,9 @@ class HostPlan(msgspec.Struct, frozen=True):
     """Per request slot and rank; SGLang's Mamba host pool holds these apart."""
     warnings: tuple[str, ...]
     host_budget_per_rank: int | None = None
-    """SGLang's host budget per rank (available memory less its reserve, split
-    over the node's ranks) of the machine ``host_budget_of`` names; None where
-    it is not known."""
+    """SGLang's (available memory less its reserve, over the node's ranks) on the
+    machine ``host_budget_of`` names; None where it is not known."""
     host_budget_of: str = ""
-
-
-def host_tokens(
-    bytes_per_token: int,
-    *,
-    device_tokens: int,
-    hicache_ratio: float,
-    hicache_size_gb: float,
-    page_size: int = PAGE_SIZE,
-) -> int:
-    """``HostKVCache``'s token count: whole pages plus one padding page."""
-    if hicache_size_gb > 0:
-        tokens = int(hicache_size_gb * 1e9 // bytes_per_token)
-    else:
-        tokens = int(device_tokens * hicache_ratio)
-    return (tokens // page_size + 1) * page_size
 
 
 def _bytes_per_token(pool: KVPool, flags: HiCacheFlags) -> tuple[int, int, int]:
@@ -397,9 +368,7 @@ def host_plan(
         first, *rest = model.pools
         first = msgspec.structs.replace(first, layers=first.layers + draft_layers)
         model = msgspec.structs.replace(model, pools=(first, *rest))
-    flags = HiCacheFlags(
-        kv_cache_dtype=fmt.name, page_size=page_size, mem_layout=layout
-    )
+    flags = HiCacheFlags(fmt.name, page_size=page_size, mem_layout=layout)
     if device_tokens < page_size:
         raise SizingError(
             f"--device-tokens {device_tokens} is less than one page of "
@@ -420,18 +389,22 @@ def host_plan(
     ]
     _check_device_bytes(model, device_bytes, max_mamba_cache_size)
     shares = _size_shares(model, device_bytes, hicache_size_gb, max_mamba_cache_size)
+
+    def host_tokens(bytes_per_token: int, tokens: int, share_gb: float) -> int:
+        """``HostKVCache``'s token count: whole pages plus one padding page."""
+        if share_gb > 0:
+            tokens = int(share_gb * 1e9 // bytes_per_token)
+        else:
+            tokens = int(tokens * hicache_ratio)
+        return (tokens // page_size + 1) * page_size
+
     plans = []
     for pool, tokens, share, (payload, scale, seal) in zip(
         model.pools, pool_tokens, shares, per_token, strict=True
     ):
-        sized = functools.partial(
-            host_tokens,
-            device_tokens=tokens,
-            hicache_ratio=hicache_ratio,
-            hicache_size_gb=share,
-            page_size=page_size,
-        )
-        with_scales, without = sized(payload + scale + seal), sized(payload)
+        total = payload + scale + seal
+        with_scales = host_tokens(total, tokens, share)
+        without = host_tokens(payload, tokens, share)
         plans.append(
             PoolPlan(
                 name=pool.name,
@@ -443,22 +416,15 @@ def host_plan(
                 payload_bytes_per_token=payload,
                 scale_bytes_per_token=scale,
                 seal_bytes_per_token=seal,
-                bytes_per_token=payload + scale + seal,
+                bytes_per_token=total,
                 host_tokens=with_scales,
-                host_bytes=with_scales * (payload + scale + seal),
+                host_bytes=with_scales * total,
                 host_tokens_without_scales=without,
                 host_bytes_without_scales=without * payload,
             )
         )
-    return _host_plan(model, plans, flags, tp_size, ranks_per_node)
-
-
-def _host_plan(
-    model: ModelKV, plans: list[PoolPlan], flags: HiCacheFlags, tp_size: int, ranks: int
-) -> HostPlan:
-    """The rank's and the node's totals of ``plans``, with their warnings."""
-    node_bytes = sum(p.host_bytes for p in plans) * ranks
-    if node_bytes > MAX_NODE_HOST_BYTES:
+    rank_bytes = sum(p.host_bytes for p in plans)
+    if (node_bytes := rank_bytes * ranks_per_node) > MAX_NODE_HOST_BYTES:
         raise SizingError(
             f"{node_bytes / 2**40:.0f} TiB of host tier per node is more RAM than "
             f"any server holds (the bound is {MAX_NODE_HOST_BYTES >> 40} TiB): "
@@ -468,10 +434,10 @@ def _host_plan(
         kv_cache_dtype=flags.kv_cache_dtype,
         page_size=flags.page_size,
         tp_size=tp_size,
-        ranks_per_node=ranks,
+        ranks_per_node=ranks_per_node,
         source=model.source,
         pools=tuple(plans),
-        host_bytes=sum(p.host_bytes for p in plans),
+        host_bytes=rank_bytes,
         host_bytes_per_node=node_bytes,
         host_bytes_without_scales=sum(p.host_bytes_without_scales for p in plans),
         mamba_state_bytes=model.mamba_state_bytes,
