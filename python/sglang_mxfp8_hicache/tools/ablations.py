@@ -3,11 +3,9 @@ same bytes (the tests round-trip each), timed beside ours."""
 
 from __future__ import annotations
 
-import functools
-
 from sglang_mxfp8_hicache import transfer
 from sglang_mxfp8_hicache.host_pool import MHATokenToKVPoolMXFP8Host, TransferChoice
-from sglang_mxfp8_hicache.loads import ONE_LAUNCH_BYTES, even_layer_groups
+from sglang_mxfp8_hicache.loads import ONE_LAUNCH_BYTES
 
 
 def doubling_load_groups(
@@ -42,10 +40,6 @@ CHOICES = {
     "fallback": TransferChoice(mover=transfer.SGLangChunkKernels),
     # Doubling layer groups: a load in 1 + log2(layers) calls.
     "load_doubling": TransferChoice(layer_groups=doubling_load_groups),
-    # Each layer its own group from 1 MiB: ready layer by layer, more calls.
-    "load_per_layer": TransferChoice(
-        layer_groups=functools.partial(even_layer_groups, min_group_bytes=1 << 20)
-    ),
 }
 """How each ablation moves its pages (``MHATokenToKVPoolMXFP8Host.with_transfer``)."""
 ABLATIONS: dict[str, type[MHATokenToKVPoolMXFP8Host]] = {

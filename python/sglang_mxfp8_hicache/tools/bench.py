@@ -364,17 +364,12 @@ def bench_geometry(
     ``device``: cuda; cpu only where the tests emulate the kernels (and stand
     in for :func:`_time_all`, which times with CUDA events)."""
     heads, head_dim, layers = geometry
-    device_pool, *drafts = (
-        build_device_pool(
-            head_num=heads,
-            head_dim=head_dim,
-            layer_num=layer_num,
-            pages=max(pages_list),
-            device=device,
-            kv_cache_dtype=setup.kv_cache_dtype,
-        )
-        for layer_num in (layers, *[1] * setup.drafts)
+    shape = dict(
+        head_num=heads, head_dim=head_dim, pages=max(pages_list), device=device
     )
+    shape.update(kv_cache_dtype=setup.kv_cache_dtype)
+    pools = (layers, *[1] * setup.drafts)
+    device_pool, *drafts = (build_device_pool(layer_num=n, **shape) for n in pools)
     hosts: dict[str, object | None] = {}
     rows = []
     try:

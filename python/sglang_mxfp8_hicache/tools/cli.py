@@ -394,12 +394,6 @@ def _refuse_mixed_flags(args: argparse.Namespace) -> None:
         if value is not None and l3 not in backends:
             need = f"is for {which}, not --l3 {l3}" if l3 else f"needs {which}"
             raise UsageError(f"{flag} {need}")
-    if args.tokens != results.HIT_TOKENS and not args.hit:
-        raise UsageError("--tokens is for --hit")
-    not_hit = {"--setup": args.setup, "--drafts": args.drafts, "--l3": l3}
-    for flag, value in not_hit.items():
-        if args.hit and value is not None:
-            raise UsageError(f"{flag} is not for --hit (a hit loads page_first pools)")
     if l3 is None and args.drafts is not None and "draft" not in _setup_names(args):
         raise UsageError("--drafts needs --setup draft")
     if l3 is not None and args.geometries is not None and len(args.geometries) != 1:
@@ -453,8 +447,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.l3 is not None:
         return _bench_l3(args)
     bench = _import_quietly("sglang_mxfp8_hicache.tools.bench")
-    if args.hit:
-        return _bench_hit(args, bench)
     try:
         setups = bench.setups(_setup_names(args), args.drafts or bench.DEFAULT_DRAFTS)
     except ValueError as exc:
@@ -487,35 +479,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_bytes(bench.to_json(rows))
     missed = sum(not row.meets_goal() for row in rows)
-    return _missed_goals(missed, len(rows)) if args.check and missed else 0
-
-
-def _bench_hit(args: argparse.Namespace, bench: Any) -> int:
-    """``--hit``: a cache hit's time to first token, loads as SGLang issues them."""
-    if unknown := sorted(set(args.beside) - {"decode"}):
-        raise UsageError(f"--hit --beside: unknown loop(s) {unknown}; known: decode")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise UsageError("needs a CUDA GPU (the JIT transfer kernels)")
-    hit = _import_quietly("sglang_mxfp8_hicache.tools.bench_hit")
-    repeat = results.BENCH_REPEAT if args.repeat is None else args.repeat
-    pages = args.pages if args.pages != results.BENCH_PAGES else results.HIT_PAGES
-    rows = hit.run(
-        args.geometries or results.HIT_GEOMETRIES,
-        pages,
-        args.tokens,
-        classes=bench.host_classes(args.ablations),
-        warmup=results.BENCH_WARMUP if args.warmup is None else args.warmup,
-        repeat=repeat,
-        beside=args.beside,
-    )
-    print(f"{torch.cuda.get_device_name()}, time to first token, median of {repeat}")
-    print_table(*hit.table(rows))
-    if args.json_out:
-        run = results.HitRun(torch.cuda.get_device_name(), sizing.PAGE_SIZE, rows)
-        Path(args.json_out).write_bytes(run.to_json())
-    missed = sum(bool(row.missed()) for row in rows)
     return _missed_goals(missed, len(rows)) if args.check and missed else 0
 
 
@@ -764,10 +727,6 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--warmup", type=non_negative_int, metavar="N", help=f"untimed rounds {rounds}")
     rounds = f"(default: {results.BENCH_REPEAT}; --l3: {results.L3_REPEAT})"
     arg("--repeat", **count, help=f"timed rounds, the median counts {rounds}")
-    hit = "a cache hit's time to first token, its loads as SGLang issues them"
-    arg("--hit", **switch, help=hit)
-    tokens = dict(type=counts, metavar="M,...", default=results.HIT_TOKENS)
-    arg("--tokens", **tokens, help="--hit: new tokens")
     arg("--check", **switch, help="exit 1 if a cell misses its goal")
     arg("--json-out", type=json_out_path, metavar="PATH", help="write JSON here")
     arg("--plot", type=plot_path, metavar="PNG", help="draw --from's runs")

@@ -45,7 +45,7 @@ class Dispatch(msgspec.Struct, frozen=True):
     hooks: tuple[HookState, ...]
 
 
-BENCH_ABLATIONS = ("sm", "fallback", "load_doubling", "load_per_layer")
+BENCH_ABLATIONS = ("sm", "fallback", "load_doubling")
 """What ``bench --ablations`` takes (``ablations.ABLATIONS``)."""
 BESIDE_LOOPS = ("gemm", "hbm", "decode", "prefill")
 """What ``bench --beside`` runs on the main stream (``bench.beside_loops``)."""
@@ -199,67 +199,6 @@ class BenchRun(msgspec.Struct):
                 "layer0_missed": [g.label() for g in r.missed(layer0=True)],
                 "met": r.meets_goal(),
             }
-            for r in self.rows
-        ]
-        run = msgspec.structs.asdict(self) | {"rows": rows}
-        return msgspec.json.format(msgspec.json.encode(run), indent=1)
-
-
-HIT_GEOMETRIES = ((8, 128, 32), (8, 128, 80), (1, 128, 80))
-HIT_PAGES = (1, 16, 64, 256)
-HIT_TOKENS = (64, 512)
-"""``bench --hit``'s cases: new tokens M of a hit whose prefix is the pages."""
-HIT_GOALS = (("raw", 1.05), ("sglang", 1.0), ("payload", 1.0))
-"""A hit's time to first token with ours at most these times each column's."""
-
-
-class HitRow(msgspec.Struct):
-    """One hit: ``pages`` cached, ``tokens`` new; per column the median time
-    to first token (ms), the median wait of the forward pass per layer, and
-    the CPU's time issuing the loads."""
-
-    heads: int
-    head_dim: int
-    layers: int
-    pages: int
-    tokens: int
-    ttft_ms: dict[str, float]
-    waits_ms: dict[str, list[float]]
-    issue_ms: dict[str, float]
-    """The CPU's time issuing the loads, before the forward pass is launched."""
-    beside: str | None = None
-    """The loop another batch ran on a third stream meanwhile, or None."""
-
-    @property
-    def geometry(self) -> str:
-        return f"{self.heads}x{self.head_dim}x{self.layers}"
-
-    def ratio(self, name: str, to: str) -> float | None:
-        if self.ttft_ms.get(name) is None or self.ttft_ms.get(to) is None:
-            return None
-        return self.ttft_ms[name] / self.ttft_ms[to]
-
-    def missed(self) -> list[str]:
-        """``HIT_GOALS`` that ours misses, as ``column<=limit``."""
-        return [
-            f"{to}<={limit}"
-            for to, limit in HIT_GOALS
-            if (ratio := self.ratio("ours", to)) is not None and ratio > limit
-        ]
-
-
-class HitRun(msgspec.Struct):
-    """``bench --hit --json-out``: the hits of one run and where it ran."""
-
-    device: str | None
-    page_size: int
-    rows: list[HitRow]
-
-    def to_json(self) -> bytes:
-        rows = [
-            msgspec.structs.asdict(r)
-            | {"ours_over": {to: r.ratio("ours", to) for to, _ in HIT_GOALS}}
-            | {"missed": r.missed()}
             for r in self.rows
         ]
         run = msgspec.structs.asdict(self) | {"rows": rows}

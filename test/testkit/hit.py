@@ -1,18 +1,42 @@
 """A cache hit's time to first token, its loads issued as SGLang's controller
-issues them (``L2TransferEngine.submit_host_to_device``, an event after each
-layer) and a forward pass waiting for each layer's event (``wait_until``):
-from the hit's start event to the forward's end on the compute stream.
-``raw``: one pinned copy of each layer's bytes; ``device``: no loads."""
+issues them and a forward pass waiting for each layer's event.
+
+    python test/hit.py [--geometries 8x128x32,8x128x80,1x128x80] [--pages 1,16,64,256]
+        [--tokens 64,512] [--ablations load_doubling,sm] [--beside decode]
+        [--warmup 3] [--repeat 20] [--json-out PATH] [--check]
+
+Each host pool's loads go through SGLang's own L2 engine
+(``L2TransferEngine.submit_host_to_device``, an event after each layer, as
+``HiCacheController.start_loading`` issues them), and a forward pass on the
+compute stream waits for layer i's event (``LayerDoneCounter.wait_until``),
+then runs a Llama-8B-like decoder layer at M new tokens (``bench.LAYER_GEMMS``)
+whose attention stand-in reads every byte of the layer's pages. The time to
+first token runs from the hit's start event to the forward's end. Columns: the
+pools (ours, ``--ablations``, SGLang's MXFP8 class, payload-only), ``raw`` (one
+pinned copy of each layer's bytes on a load stream, an event after each) and
+``device`` (the same forward pass, no loads). ``--beside decode``: another
+batch decodes (two passes of the model's layers at 64 tokens) on a third
+stream meanwhile. Prints each column's time, ours over raw and over the device
+hit, layer 0's and the longest wait of ours, and the CPU's time issuing ours
+(every load call is made before the forward pass is launched); ``--json-out``
+keeps every layer's wait. Goal (``HIT_GOALS``): ours at most 1.05x raw, never
+above SGLang's class or payload-only; ``--check`` exits 1 on a miss. Needs a
+CUDA GPU; a bad flag is refused (exit 2) before anything runs.
+"""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import itertools
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+import msgspec
 import torch
 
 from sglang_mxfp8_hicache.tools import bench
@@ -24,7 +48,68 @@ from sglang_mxfp8_hicache.tools.pools import (
     host_indices_for,
     page_token_indices,
 )
-from sglang_mxfp8_hicache.tools.results import HitRow
+from sglang_mxfp8_hicache.tools.results import BENCH_REPEAT, BENCH_WARMUP
+
+HIT_GEOMETRIES = ((8, 128, 32), (8, 128, 80), (1, 128, 80))
+HIT_PAGES = (1, 16, 64, 256)
+HIT_TOKENS = (64, 512)
+"""The default cases: new tokens M of a hit whose cached prefix is the pages."""
+HIT_GOALS = (("raw", 1.05), ("sglang", 1.0), ("payload", 1.0))
+"""A hit's time to first token with ours at most these times each column's."""
+
+
+class HitRow(msgspec.Struct):
+    """One hit: ``pages`` cached, ``tokens`` new; per column the median time
+    to first token (ms), the median wait of the forward pass per layer, and
+    the CPU's time issuing the loads."""
+
+    heads: int
+    head_dim: int
+    layers: int
+    pages: int
+    tokens: int
+    ttft_ms: dict[str, float]
+    waits_ms: dict[str, list[float]]
+    issue_ms: dict[str, float]
+    """The CPU's time issuing the loads, before the forward pass is launched."""
+    beside: str | None = None
+    """The loop another batch ran on a third stream meanwhile, or None."""
+
+    @property
+    def geometry(self) -> str:
+        return f"{self.heads}x{self.head_dim}x{self.layers}"
+
+    def ratio(self, name: str, to: str) -> float | None:
+        if self.ttft_ms.get(name) is None or self.ttft_ms.get(to) is None:
+            return None
+        return self.ttft_ms[name] / self.ttft_ms[to]
+
+    def missed(self) -> list[str]:
+        """``HIT_GOALS`` that ours misses, as ``column<=limit``."""
+        return [
+            f"{to}<={limit}"
+            for to, limit in HIT_GOALS
+            if (ratio := self.ratio("ours", to)) is not None and ratio > limit
+        ]
+
+
+class HitRun(msgspec.Struct):
+    """``bench --hit --json-out``: the hits of one run and where it ran."""
+
+    device: str | None
+    page_size: int
+    rows: list[HitRow]
+
+    def to_json(self) -> bytes:
+        rows = [
+            msgspec.structs.asdict(r)
+            | {"ours_over": {to: r.ratio("ours", to) for to, _ in HIT_GOALS}}
+            | {"missed": r.missed()}
+            for r in self.rows
+        ]
+        run = msgspec.structs.asdict(self) | {"rows": rows}
+        return msgspec.json.format(msgspec.json.encode(run), indent=1)
+
 
 Loads = Callable[[torch.cuda.Event, list[torch.cuda.Event]], None]
 """Issues a hit's loads after the start event, layer i's event after layer i."""
@@ -268,3 +353,57 @@ def table(rows: list[HitRow]) -> tuple[list[str], list[list[str]]]:
             lead + [bench._fmt(x) for x in cells] + [" ".join(r.missed()) or "-"]
         )
     return headers, body
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from sglang_mxfp8_hicache.tools import cli
+    from sglang_mxfp8_hicache.tools.ablations import ABLATIONS
+
+    numbers = cli.comma_list(cli.positive_int, "positive integers, comma separated")
+    names = cli.comma_list(cli.name, "names, comma separated")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    shapes = cli.comma_list(cli.geometry, "HEADSxHEAD_DIMxLAYERS,...")
+    parser.add_argument("--geometries", type=shapes, default=HIT_GEOMETRIES)
+    parser.add_argument("--pages", type=numbers, default=HIT_PAGES)
+    parser.add_argument("--tokens", type=numbers, default=HIT_TOKENS)
+    parser.add_argument("--ablations", type=names, default=())
+    parser.add_argument("--beside", type=names, default=())
+    parser.add_argument("--warmup", type=cli.non_negative_int, default=BENCH_WARMUP)
+    parser.add_argument("--repeat", type=cli.positive_int, default=BENCH_REPEAT)
+    parser.add_argument("--json-out", type=cli.json_out_path)
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    for flag, given, known in (
+        ("--ablations", args.ablations, tuple(ABLATIONS)),
+        ("--beside", args.beside, ("decode",)),
+    ):
+        if unknown := sorted(set(given) - set(known)):
+            parser.error(f"{flag}: unknown {unknown}; known: {', '.join(known)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sglang_mxfp8_hicache.tools import cli
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            "test/hit.py: needs a CUDA GPU (the JIT transfer kernels)", file=sys.stderr
+        )
+        return 2
+    rows = run(
+        args.geometries,
+        args.pages,
+        args.tokens,
+        classes=bench.host_classes(args.ablations),
+        warmup=args.warmup,
+        repeat=args.repeat,
+        beside=args.beside,
+    )
+    device = torch.cuda.get_device_name()
+    print(f"{device}, time to first token, median of {args.repeat}")
+    cli.print_table(*table(rows))
+    if args.json_out:
+        Path(args.json_out).write_bytes(HitRun(device, PAGE_SIZE, rows).to_json())
+    missed = sum(bool(row.missed()) for row in rows)
+    return 1 if args.check and missed else 0

@@ -1,4 +1,4 @@
-"""``bench --hit`` on a GPU: a hit of every column through SGLang's own L2
+"""``test/hit.py`` on a GPU: a hit of every column through SGLang's own L2
 engine, the forward pass waiting per layer (timings are the benchmark's, not
 checked here)."""
 
@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_mxfp8_hicache.tools import bench, bench_hit
+from sglang_mxfp8_hicache.tools import bench
+from testkit import hit
 
 
 @pytest.mark.gpu
 def test_hit_times_every_column_layer_by_layer():
     layers = 3
-    rows = bench_hit.bench_hits(
+    rows = hit.bench_hits(
         (2, 128, layers),
         (1, 2),
         (64,),
