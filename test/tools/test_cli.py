@@ -805,6 +805,24 @@ def test_check_names_each_missing_hook_and_its_cost(states, status, detail):
 )
 def test_check_refuses_a_bad_setting(monkeypatch, capsys, variable, value):
     """A variable's bad value is one line naming it, exit 2, before any step."""
+    assert _check_error(monkeypatch, capsys, variable, value) == (
+        f"SGLANG_MXFP8_HICACHE_{variable}={value!r} is not accepted: give "
+        f"{_accepts(variable)}, or leave it unset."
+    )
+
+
+def test_check_refuses_a_misspelt_variable(monkeypatch, capsys):
+    """A name with the package's prefix that it does not read is one line
+    naming the closest variable, exit 2, before any step."""
+    assert _check_error(monkeypatch, capsys, "STAGING", "128") == (
+        "SGLANG_MXFP8_HICACHE_STAGING is not a variable sglang-mxfp8-hicache "
+        "reads: did you mean SGLANG_MXFP8_HICACHE_STAGING_MB? Rename or unset it."
+    )
+
+
+def _check_error(monkeypatch, capsys, variable: str, value: str) -> str:
+    """``check``'s one error line with ``SGLANG_MXFP8_HICACHE_{variable}`` set;
+    fails if it exits otherwise, prints to stdout or runs a step."""
     monkeypatch.setenv(f"SGLANG_MXFP8_HICACHE_{variable}", value)
     monkeypatch.setattr(cli, "_fresh_process", lambda: pytest.fail("a step ran"))
     settings.current.cache_clear()
@@ -813,28 +831,9 @@ def test_check_refuses_a_bad_setting(monkeypatch, capsys, variable, value):
     finally:
         settings.current.cache_clear()
     assert (code, out) == (2, "")
-    assert err == (
-        f"sglang-mxfp8-hicache check: error: SGLANG_MXFP8_HICACHE_{variable}="
-        f"{value!r} is not accepted: give {_accepts(variable)}, or leave it unset.\n"
-    )
-
-
-def test_check_refuses_a_misspelt_variable(monkeypatch, capsys):
-    """A name with the package's prefix that it does not read is one line
-    naming the closest variable, exit 2, before any step."""
-    monkeypatch.setenv("SGLANG_MXFP8_HICACHE_STAGING", "128")
-    monkeypatch.setattr(cli, "_fresh_process", lambda: pytest.fail("a step ran"))
-    settings.current.cache_clear()
-    try:
-        code, out, err = run_cli(["check"], capsys)
-    finally:
-        settings.current.cache_clear()
-    assert (code, out) == (2, "")
-    assert err == (
-        "sglang-mxfp8-hicache check: error: SGLANG_MXFP8_HICACHE_STAGING is not a "
-        "variable sglang-mxfp8-hicache reads: did you mean "
-        "SGLANG_MXFP8_HICACHE_STAGING_MB? Rename or unset it.\n"
-    )
+    prefix = "sglang-mxfp8-hicache check: error: "
+    assert err.startswith(prefix) and err.endswith("\n")
+    return err[len(prefix) : -1]
 
 
 def _accepts(variable: str) -> str:
