@@ -94,7 +94,7 @@ class HitRow(msgspec.Struct):
 
 
 class HitRun(msgspec.Struct):
-    """``bench --hit --json-out``: the hits of one run and where it ran."""
+    """``--json-out``: the hits of one run and where it ran."""
 
     device: str | None
     page_size: int
