@@ -323,7 +323,7 @@ def run(
     modes = list(beside) or [None]
     fits = {g: bench.pages_that_fit(g, pages_list) for g in geometries}
     cases = sum(len(p) for p in fits.values()) * len(tokens_list) * len(modes)
-    bar = tqdm(total=cases, desc="bench --hit", unit="case")
+    bar = tqdm(total=cases, desc="hit", unit="case")
     rows = []
     for (geometry, pages), mode in itertools.product(fits.items(), modes):
         if pages:
