@@ -35,13 +35,14 @@ def even_layer_groups(
     one_launch_bytes: int = ONE_LAUNCH_BYTES,
     min_layers: int = 1,
 ) -> list[range]:
-    """Layer 0, then equal groups of the fewest layers that carry ``min_group_bytes``
-    and ``min_layers``; one group if layers 1.. carry under ``one_launch_bytes``."""
+    """Layer 0, then the most groups (lengths a layer apart) that each carry
+    ``min_group_bytes`` and ``min_layers``, or one; all in one under ``one_launch_bytes``."""
     if (layer_num - 1) * layer_bytes < one_launch_bytes:
         return [range(layer_num)]
     size = max(min_layers, -(-min_group_bytes // max(1, layer_bytes)))
-    starts = range(1, layer_num, size)
-    return [range(1), *(range(a, min(a + size, layer_num)) for a in starts)]
+    count = max(1, (layer_num - 1) // size)
+    ends = [1 + (layer_num - 1) * k // count for k in range(count + 1)]
+    return [range(1), *map(range, ends, ends[1:])]
 
 
 class LoadPlanner:
@@ -65,7 +66,7 @@ class LoadPlanner:
         self._layer_bytes = page.span_bytes // page.layer_num
         # From this many pages on, each layer carries the minimum: one plan.
         self._full_pages = -(-MIN_LOAD_GROUP_BYTES // self._layer_bytes)
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[tuple[range, ...], _Plan] = {}  # one per set of groups
         self._drafts = {
             layer: (mover.prepare(range(layer, layer + 1)), 1)
             for layer in range(target_layers, page.layer_num)
@@ -80,19 +81,17 @@ class LoadPlanner:
         return len(self._plan_of(self._full_pages)[0])
 
     def _plan_of(self, pages: int) -> _Plan:
-        pages = min(pages, self._full_pages)  # one plan serves every size above
-        if pages not in self._plans:
-            layer_bytes = pages * self._layer_bytes
-            groups = self._layer_groups(
-                self._target_layers, layer_bytes, min_layers=self._min_layers
-            )
+        layer_bytes = min(pages, self._full_pages) * self._layer_bytes
+        args = (self._target_layers, layer_bytes)
+        groups = tuple(self._layer_groups(*args, min_layers=self._min_layers))
+        if groups not in self._plans:
             prepared = [
                 (self._mover.prepare(g, by_sm=n == 0), len(g))
                 for n, g in enumerate(groups)
             ]
             group_of = {layer: n for n, g in enumerate(groups) for layer in g}
-            self._plans[pages] = (prepared, group_of)
-        return self._plans[pages]
+            self._plans[groups] = (prepared, group_of)
+        return self._plans[groups]
 
     def issue(
         self, layer_id: int, host_indices, device_indices, *, is_draft: bool

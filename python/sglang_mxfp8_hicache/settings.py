@@ -96,10 +96,9 @@ class Settings:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """The settings of ``environ`` (the process's by default); raises on
-        a name with the package's prefix (in any case) that no variable has,
-        then on the first variable whose value it does not accept."""
+        the first variable whose value it does not accept, then (unless the
+        package is disabled) on a name with its prefix that no variable has."""
         environ = os.environ if environ is None else environ
-        refuse_unknown_names(environ)
         values = {}
         for variable in VARIABLES:
             text = environ.get(variable.name, "").strip()
@@ -110,6 +109,8 @@ class Settings:
                     f"{variable.accepts}, or leave it unset."
                 )
             values[variable.setting] = value
+        if not values["disable"]:  # disabled, the package reads nothing more
+            refuse_unknown_names(environ)
         return cls(**values)
 
     def describe(self) -> str:

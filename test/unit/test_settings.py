@@ -104,3 +104,10 @@ def test_misspelt_variable_refused_naming_the_closest(given, closest):
 def test_other_variables_are_not_the_packages():
     others = {"SGLANG_HICACHE_STAGING": "1", "MXFP8_HICACHE_X": "1", "HOME": "/"}
     assert Settings.from_environ(others) == Settings.from_environ({})
+
+
+def test_disabled_reads_no_other_name():
+    """The off switch leaves SGLang's own pool in force whatever else is set:
+    a misspelt name of the package's does not stop that launch."""
+    environ = {"SGLANG_MXFP8_HICACHE_DISABLE": "1", "SGLANG_MXFP8_HICACHE_X": "1"}
+    assert Settings.from_environ(environ).disable

@@ -260,6 +260,12 @@ def _gb(n: int) -> str:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
+    if args.device_tokens < args.page_size:
+        raise sizing.SizingError(
+            f"--device-tokens {args.device_tokens} is less than one page of "
+            f"--page-size {args.page_size}: SGLang rounds its pool down to whole "
+            "pages and stops on none"
+        )
     model = _model(args)
     plan = sizing.host_plan(
         model,
@@ -775,8 +781,7 @@ def _sigterm_raises() -> Iterator[None]:
 
 
 def _drop_unwritten_output() -> None:
-    """Points the process's stdout at /dev/null, so that the interpreter's
-    last flush of what could not be written fails no second time."""
+    """Points stdout at /dev/null: its last flush at exit fails no second time."""
     if sys.stdout is sys.__stdout__ and sys.stdout is not None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -798,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno not in WRITE_ERRORS:
             raise
-        _drop_unwritten_output()
+        if exc.filename is None:  # stdout: what it holds can go nowhere
+            _drop_unwritten_output()
         where = exc.filename or "stdout"
         print(f"{said} cannot write to {where}: {exc.strerror}", file=sys.stderr)
         return 1

@@ -369,12 +369,6 @@ def host_plan(
         first = msgspec.structs.replace(first, layers=first.layers + draft_layers)
         model = msgspec.structs.replace(model, pools=(first, *rest))
     flags = HiCacheFlags(fmt.name, page_size=page_size, mem_layout=layout)
-    if device_tokens < page_size:
-        raise SizingError(
-            f"--device-tokens {device_tokens} is less than one page of "
-            f"--page-size {page_size}: SGLang rounds its pool down to whole pages "
-            "and stops on none"
-        )
     per_token = [_bytes_per_token(pool, flags) for pool in model.pools]
     # SGLang sizes the SWA pool as the page-aligned ratio of the full pool's tokens.
     pool_tokens = [
