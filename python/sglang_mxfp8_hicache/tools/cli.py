@@ -260,13 +260,13 @@ def _gb(n: int) -> str:
 
 
 def cmd_size(args: argparse.Namespace) -> int:
+    model = _model(args)
     if args.device_tokens < args.page_size:
         raise sizing.SizingError(
             f"--device-tokens {args.device_tokens} is less than one page of "
             f"--page-size {args.page_size}: SGLang rounds its pool down to whole "
             "pages and stops on none"
         )
-    model = _model(args)
     plan = sizing.host_plan(
         model,
         device_tokens=args.device_tokens,
